@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine: sets up the virtual environments on first use.
+#   ./run.sh [train] [ARGS...]   main job: train the default (tiny) model on the CPU
+#   ./run.sh test [PYTEST ARGS]  the test suite (what .ci/run runs)
+#   ./run.sh python ARGS...      any python command inside the project venv
+set -euo pipefail
+cd "$(dirname "$0")"
+
+find_python() {  # $1 = minor version, e.g. 3.12
+  local v=$1 p
+  for p in "python$v" "$(pyenv root 2>/dev/null)/versions/$v"*/bin/"python$v" /root/.pyenv/versions/"$v"*/bin/"python$v"; do
+    if command -v "$p" >/dev/null 2>&1; then command -v "$p"; return 0; fi
+  done
+  return 1
+}
+
+ensure_venv() {  # the project venv: Python >= 3.12, jax, flax, optax, orbax ...
+  local stamp=.venv/.installed
+  if [[ -f $stamp && $stamp -nt setup.cfg && $stamp -nt constraints.txt ]]; then return; fi
+  local py; py=$(find_python 3.12) || { echo "run.sh: Python 3.12 not found (install it, e.g. with pyenv)" >&2; exit 1; }
+  [[ -x .venv/bin/python ]] || "$py" -m venv .venv
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -c constraints.txt -e ".[test]"
+  touch "$stamp"
+}
+
+ensure_ref_venv() {  # the Hugging Face reference: PyTorch (CPU) + transformers >= 5.23, used by the parity tests
+  local stamp=.venv-ref/.installed
+  [[ -f $stamp ]] && return
+  local py; py=$(find_python 3.11) || { echo "run.sh: no Python 3.11 for the reference venv; HF parity tests will skip" >&2; return; }
+  [[ -x .venv-ref/bin/python ]] || "$py" -m venv .venv-ref
+  local tf="transformers>=5.23"
+  local wheel; wheel=$(ls ../shared/wheels/transformers-5.2[3-9]*.whl 2>/dev/null | tail -n 1 || true)
+  [[ -n $wheel ]] && tf=$wheel
+  # torch 2.13.0 is the CPU build kept on disk for Python 3.11; a plain 'torch' would pull a multi-GB CUDA build.
+  .venv-ref/bin/python -m pip install -q torch==2.13.0 "$tf" safetensors numpy
+  touch "$stamp"
+}
+
+cmd=${1:-train}
+[[ $# -gt 0 ]] && shift
+case $cmd in
+  train) ensure_venv; exec .venv/bin/python -m launch.train "$@" ;;
+  test) ensure_venv; ensure_ref_venv; exec .venv/bin/python -m pytest "$@" ;;
+  python) ensure_venv; exec .venv/bin/python "$@" ;;
+  *) echo "usage: ./run.sh [train|test|python] [ARGS...]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,22 @@
+"""Test session setup: 8 emulated CPU devices (set before jax is imported) and the `gpu` marker."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if os.environ.get("ZAYA_TEST_GPU"):  # run the gpu-marked tests on a real accelerator
+    os.environ.pop("JAX_PLATFORMS")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_collection_modifyitems(config, items):
+    if jax.default_backend() != "cpu":
+        return
+    skip = pytest.mark.skip(reason="needs a GPU (run with ZAYA_TEST_GPU=1 -m gpu on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

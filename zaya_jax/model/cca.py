@@ -1,0 +1,171 @@
+"""Compressed Convolutional Attention (CCA / CCGQA) exactly as the Hugging Face ZAYA reference computes it.
+
+Order: (padding mask) -> q/k/v projections -> two causal convolutions over time on [q | k] channels with the q/k
+mean residual paths added after -> value heads [current | previous-token] -> QK L2-norm to sqrt(d) with the
+per-KV-head key temperature -> partial NeoX RoPE -> causal GQA attention -> o_proj.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zaya_jax.config import ModelConfig
+from zaya_jax.model.base import Linear, dtypes, normal_init
+from zaya_jax.ops import attention as attention_ops
+
+
+@dataclasses.dataclass
+class CCAState:
+    """What a sequence chunk needs from before its start: the last `conv_halo` raw [q | k] projection columns
+    [B, P, C] and the previous token's delayed-value projection [B, KV*d/2]. Zeros/None = sequence start."""
+
+    conv: jax.Array | None = None
+    value: jax.Array | None = None
+
+
+jax.tree_util.register_dataclass(CCAState, data_fields=["conv", "value"], meta_fields=[])
+
+
+class CCAProjection(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        H, KV, d, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+        b = cfg.attention_bias
+        self.q_proj = Linear(cfg, D, H * d, bias=b, rngs=rngs)
+        self.k_proj = Linear(cfg, D, KV * d, bias=b, rngs=rngs)
+        self.v_proj_current = Linear(cfg, D, KV * d // 2, bias=b, rngs=rngs)
+        self.v_proj_delayed = Linear(cfg, D, KV * d // 2, bias=b, rngs=rngs)
+        C, pdt = cfg.conv_channels, dtypes(cfg)[1]
+        init = normal_init(cfg)
+        self.conv_qk_depthwise = _Conv(init(rngs.params(), (C, 1, cfg.cca_time0), pdt), jnp.zeros((C,), pdt))
+        self.conv_qk_grouped = _Conv(init(rngs.params(), (C, d, cfg.cca_time1), pdt), jnp.zeros((C,), pdt))
+
+    def __call__(self, x, *, conv_mask=None, state: CCAState | None = None):
+        """x: [B, T, D] (compute dtype). Returns q [B,T,H,d], k [B,T,KV,d], v [B,T,KV,d] and the CCAState at the
+        end of this chunk (for caches and context-parallel neighbours)."""
+        cfg = self.cfg
+        B, T, _ = x.shape
+        H, KV, d, g = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.num_kv_groups
+        dt = x.dtype
+        if conv_mask is not None:  # HF zeroes padded positions before any projection
+            x = x * conv_mask[:, :, None].astype(dt)
+
+        q = self.q_proj(x)
+        k = self.k_proj(x)
+        qh, kh = q.reshape(B, T, H, d), k.reshape(B, T, KV, d)
+        q_res = (qh + jnp.repeat(kh, g, axis=2)) * 0.5
+        k_res = q_res.reshape(B, T, KV, g, d).mean(axis=3)
+
+        qk = jnp.concatenate([q, k], axis=-1)  # channels [q heads | k heads]
+        P = cfg.conv_halo
+        prefix = jnp.zeros((B, P, qk.shape[-1]), dt) if state is None or state.conv is None else state.conv.astype(dt)
+        qk_padded = jnp.concatenate([prefix, qk], axis=1)
+        z = self._convolve(qk_padded)
+        q = z[..., : H * d].reshape(B, T, H, d) + q_res
+        k = z[..., H * d:].reshape(B, T, KV, d) + k_res
+
+        v_cur = self.v_proj_current(x)
+        v_del = self.v_proj_delayed(x)
+        if state is None or state.value is None:  # v_proj_delayed(0): zero, or the bias with attention_bias
+            v0 = self.v_proj_delayed(jnp.zeros((B, 1, x.shape[-1]), dt))
+        else:
+            v0 = state.value[:, None].astype(dt)
+        v_prev = jnp.concatenate([v0, v_del[:, :-1]], axis=1)
+        v = jnp.concatenate([v_cur, v_prev], axis=-1).reshape(B, T, KV, d)
+        new_state = CCAState(conv=qk_padded[:, -P:] if P else qk_padded[:, :0], value=v_del[:, -1])
+        return q, k, v, new_state
+
+    def _convolve(self, xp):
+        """Depthwise then grouped causal (valid) cross-correlation over time; xp carries the P-column halo, so at
+        a sequence start the grouped conv sees the depthwise bias (not zero) at t = -1, as in the reference."""
+        cfg = self.cfg
+        t0, t1 = cfg.cca_time0, cfg.cca_time1
+        B, Tp, C = xp.shape
+        dt = xp.dtype
+        w1 = self.conv_qk_depthwise.weight[...].astype(jnp.float32)[:, 0, :]  # [C, t0]
+        n1 = Tp - t0 + 1
+        y = self.conv_qk_depthwise.bias[...].astype(jnp.float32)
+        xf = xp.astype(jnp.float32)
+        for j in range(t0):
+            y = y + xf[:, j:j + n1] * w1[:, j]
+        y = y.astype(dt)
+        G, d = C // cfg.head_dim, cfg.head_dim
+        w2 = self.conv_qk_grouped.weight[...].astype(dt).reshape(G, d, d, t1)  # [group, out, in, tap]
+        yg = y.reshape(B, n1, G, d)
+        n2 = n1 - t1 + 1
+        z = self.conv_qk_grouped.bias[...].astype(jnp.float32).reshape(G, d)
+        for j in range(t1):
+            z = z + jnp.einsum("btgi,goi->btgo", yg[:, j:j + n2], w2[..., j], preferred_element_type=jnp.float32)
+        return z.reshape(B, n2, C).astype(dt)
+
+
+class _Conv(nnx.Module):
+    def __init__(self, weight, bias):
+        self.weight = nnx.Param(weight)
+        self.bias = nnx.Param(bias)
+
+
+class QKNorm(nnx.Module):
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+        self.temp = nnx.Param(jnp.zeros((cfg.num_key_value_heads,), dtypes(cfg)[1]))
+
+    def __call__(self, q, k):
+        """L2-normalise every head to norm sqrt(d) (norm clamped at the dtype's eps, as HF), keys times temp."""
+        dt = q.dtype
+        eps = float(jnp.finfo(dt).eps)
+        scale = self.cfg.head_dim ** 0.5
+
+        def l2(x):
+            xf = x.astype(jnp.float32)
+            n = jnp.sqrt(jnp.sum(xf * xf, axis=-1, keepdims=True))
+            return xf * (scale / jnp.maximum(n, eps))
+
+        qn = l2(q)
+        kn = l2(k) * self.temp[...].astype(jnp.float32)[None, None, :, None]
+        return qn.astype(dt), kn.astype(dt)
+
+
+def rope_inv_freq(theta: float, rotary_dim: int):
+    return 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+
+
+def apply_rope(x, positions, inv_freq):
+    """NeoX rotate-half RoPE on the first 2*len(inv_freq) dims of each head; x [B,T,N,d], positions [B,T]."""
+    rd = 2 * inv_freq.shape[-1]
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, rd/2]
+    cos = jnp.cos(jnp.concatenate([ang, ang], -1)).astype(x.dtype)[:, :, None, :]
+    sin = jnp.sin(jnp.concatenate([ang, ang], -1)).astype(x.dtype)[:, :, None, :]
+    xr, xp = x[..., :rd], x[..., rd:]
+    x1, x2 = xr[..., : rd // 2], xr[..., rd // 2:]
+    rotated = xr * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
+    return jnp.concatenate([rotated, xp], axis=-1)
+
+
+class CCAttention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        H, d, D = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
+        self.qkv_proj = CCAProjection(cfg, rngs)
+        self.qk_norm = QKNorm(cfg)
+        self.o_proj = Linear(cfg, H * d, D, bias=cfg.attention_bias, rngs=rngs)
+
+    def __call__(self, x, *, positions, inv_freq, sliding_window=None, attention_mask=None, state=None,
+                 attend=None):
+        """attend(q, k, v) -> o overrides the attention call (caches and context parallelism plug in here)."""
+        B, T, _ = x.shape
+        q, k, v, new_state = self.qkv_proj(x, conv_mask=attention_mask, state=state)
+        q, k = self.qk_norm(q, k)
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
+        if attend is None:
+            o = attention_ops.attention(q, k, v, impl=self.cfg.attention_impl, q_positions=positions,
+                                        kv_positions=positions, kv_valid=attention_mask,
+                                        sliding_window=sliding_window)
+        else:
+            o = attend(q, k, v)
+        return self.o_proj(o.reshape(B, T, -1)), new_state

@@ -1,0 +1,63 @@
+"""Dropless top-1 SwiGLU experts. gate_up_proj [E, 2I, D] (rows [0, I) gate, [I, 2I) up), down_proj [E, D, I].
+
+'ragged': tokens sorted by expert, two grouped GEMMs through lax.ragged_dot_general (contracting the stored
+[out, in] weights directly), unsorted by a gather. 'dense': every expert on every token, a one-hot select (the
+reference the tests pin 'ragged' against). A token routed to the skip class (index E) gets a zero output, as in
+the Hugging Face reference."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zaya_jax.config import ModelConfig
+from zaya_jax.model.base import activation, dtypes, normal_init
+
+_DN = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
+                                        rhs_group_dimensions=[0])
+
+
+class Experts(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        E, I, D = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        pdt = dtypes(cfg)[1]
+        init = normal_init(cfg)
+        self.gate_up_proj = nnx.Param(init(rngs.params(), (E, 2 * I, D), pdt))
+        self.down_proj = nnx.Param(init(rngs.params(), (E, D, I), pdt))
+
+    def __call__(self, x, index, weight):
+        """x [N, D] (compute dtype), index [N] in [0, E] (E = skip), weight [N] fp32 -> [N, D]."""
+        cfg = self.cfg
+        skip = index >= cfg.num_experts
+        index = jnp.where(skip, cfg.num_experts, index)
+        weight = jnp.where(skip, 0.0, weight).astype(x.dtype)
+        impl = _ragged if cfg.moe_impl == "ragged" else _dense
+        out = impl(x, index, self.gate_up_proj[...].astype(x.dtype), self.down_proj[...].astype(x.dtype),
+                   activation(cfg.hidden_act))
+        return jnp.where(skip[:, None], 0, out * weight[:, None])
+
+
+def _swiglu(gu, act):
+    gate, up = jnp.split(gu, 2, axis=-1)
+    return act(gate) * up
+
+
+def _ragged(x, index, w_gu, w_down, act):
+    E = w_gu.shape[0]
+    order = jnp.argsort(index, stable=True)  # skip tokens (index E) sort last, outside every group
+    sizes = jnp.bincount(index, length=E + 1)[:E].astype(jnp.int32)
+    xs = x[order]
+    gu = jax.lax.ragged_dot_general(xs, w_gu, sizes, _DN, preferred_element_type=jnp.float32).astype(x.dtype)
+    h = _swiglu(gu, act)
+    out = jax.lax.ragged_dot_general(h, w_down, sizes, _DN, preferred_element_type=jnp.float32).astype(x.dtype)
+    return out[jnp.argsort(order)]
+
+
+def _dense(x, index, w_gu, w_down, act):
+    E = w_gu.shape[0]
+    gu = jnp.einsum("nd,eod->eno", x, w_gu, preferred_element_type=jnp.float32).astype(x.dtype)
+    out = jnp.einsum("eni,edi->end", _swiglu(gu, act), w_down, preferred_element_type=jnp.float32).astype(x.dtype)
+    onehot = jax.nn.one_hot(index, E, dtype=x.dtype)  # skip tokens: all-zero row
+    return jnp.einsum("end,ne->nd", out, onehot)

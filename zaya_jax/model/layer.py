@@ -1,0 +1,57 @@
+"""One ZAYA1 decoder layer: pre-norm CCA block and pre-norm MoE block, each merged into the fp32 residual
+stream through learned residual scaling."""
+
+from __future__ import annotations
+
+import jax
+from jax.ad_checkpoint import checkpoint_name
+import jax.numpy as jnp
+from flax import nnx
+
+from zaya_jax.config import ModelConfig
+from zaya_jax.model.base import ResidualScaling, RMSNormWeight, dtypes
+from zaya_jax.model.cca import CCAttention
+from zaya_jax.model.experts import Experts
+from zaya_jax.model.router import Router
+from zaya_jax.ops import rmsnorm as norm_ops
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.gate = Router(cfg, rngs)
+        self.experts = Experts(cfg, rngs)
+
+    def __call__(self, x, router_state, state_scale, token_mask=None):
+        B, T, D = x.shape
+        weight, index, router_state = self.gate(x, router_state, state_scale)
+        out = self.experts(x.reshape(B * T, D), index.reshape(-1), weight.reshape(-1)).reshape(B, T, D)
+        onehot = jax.nn.one_hot(index, self.gate.cfg.num_experts + 1, dtype=jnp.float32)
+        if token_mask is not None:
+            onehot = onehot * token_mask[..., None].astype(jnp.float32)
+        return out, router_state, onehot.sum(axis=(0, 1))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.input_layernorm = RMSNormWeight(cfg, cfg.hidden_size)
+        self.self_attn = CCAttention(cfg, rngs)
+        self.post_attention_residual_scale = ResidualScaling(cfg)
+        self.post_attention_layernorm = RMSNormWeight(cfg, cfg.hidden_size)
+        self.mlp = MoE(cfg, rngs)
+        self.post_mlp_residual_scale = ResidualScaling(cfg)
+
+    def __call__(self, h, router_state, *, state_scale, positions, inv_freq, sliding_window=None,
+                 attention_mask=None, cca_state=None, attend=None):
+        """h: fp32 residual [B,T,D]. Returns (h, router_state, expert counts [E+1], CCA state at chunk end)."""
+        cfg = self.cfg
+        dt, eps, impl = dtypes(cfg)[0], cfg.rms_norm_eps, cfg.norm_impl
+        x = norm_ops.rms_norm(h, self.input_layernorm.weight[...], eps, dt, impl=impl)
+        a, cca_state = self.self_attn(x, positions=positions, inv_freq=inv_freq, sliding_window=sliding_window,
+                                      attention_mask=attention_mask, state=cca_state, attend=attend)
+        a = checkpoint_name(a, "attention_out")
+        h, x = norm_ops.merge_rms_norm(a, h, *self.post_attention_residual_scale.vectors(),
+                                       self.post_attention_layernorm.weight[...], eps, dt, impl=impl)
+        m, router_state, counts = self.mlp(x, router_state, state_scale, attention_mask)
+        h = norm_ops.residual_merge_reference(m, h, *self.post_mlp_residual_scale.vectors())
+        return h, router_state, counts, cca_state

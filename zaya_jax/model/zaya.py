@@ -1,0 +1,151 @@
+"""ZayaModel (embedding, input scaling, scanned decoder layers, final norm) and ZayaForCausalLM (tied head).
+
+Decoder layers are created with stacked parameters (leading axis = layer) and run under `jax.lax.scan` with a
+configurable remat policy; per-layer differences (EDA scale, RoPE frequencies, sliding window) travel as scan
+inputs. The EDA router state and the fp32 residual stream are the scan carry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zaya_jax.config import ModelConfig
+from zaya_jax.model.base import RMSNormWeight, dtypes, normal_init
+from zaya_jax.model.cca import rope_inv_freq
+from zaya_jax.model.layer import DecoderLayer
+from zaya_jax.ops import rmsnorm as norm_ops
+
+_FULL_WINDOW = jnp.iinfo(jnp.int32).max
+
+
+@dataclasses.dataclass
+class ForwardAux:
+    expert_counts: jax.Array  # [L, E+1] tokens routed to each class (last = skip) per layer, padding excluded
+
+
+jax.tree_util.register_dataclass(ForwardAux, data_fields=["expert_counts"], meta_fields=[])
+
+_REMAT = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "save_attention": jax.checkpoint_policies.save_only_these_names("attention_out"),
+}
+
+
+class Embedding(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        w = normal_init(cfg)(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtypes(cfg)[1])
+        if cfg.pad_token_id is not None and 0 <= cfg.pad_token_id < cfg.vocab_size:
+            w = w.at[cfg.pad_token_id].set(0)  # HF zero-initialises the padding row
+        self.weight = nnx.Param(w)
+
+
+class ZayaModel(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        _, pdt = dtypes(cfg)
+        D, L = cfg.hidden_size, cfg.num_hidden_layers
+        self.embed_tokens = Embedding(cfg, rngs)
+        self.input_hidden_states_scale = nnx.Param(jnp.ones((D,), pdt))
+        self.input_hidden_states_bias = nnx.Param(jnp.zeros((D,), pdt))
+        # EDA scale of layers 1..L-1 (layer 0 has none); stacked here so every scanned layer has one structure.
+        self.router_states_scale = nnx.Param(jnp.ones((L - 1, cfg.router_hidden_size), pdt))
+
+        @nnx.split_rngs(splits=L)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_layers(rngs):
+            return DecoderLayer(cfg, rngs)
+
+        self.layers = make_layers(rngs)
+        self.norm = RMSNormWeight(cfg, D)
+
+    def _per_layer_inputs(self):
+        cfg = self.cfg
+        inv_freq = jnp.stack([rope_inv_freq(cfg.rope[t].theta, cfg.rotary_dim) for t in cfg.layer_types])
+        ones = jnp.ones((1, cfg.router_hidden_size), self.router_states_scale[...].dtype)
+        state_scale = jnp.concatenate([ones, self.router_states_scale[...]], axis=0)
+        windows = None
+        if "hybrid_sliding" in cfg.layer_types:
+            windows = jnp.array([cfg.sliding_window if t == "hybrid_sliding" else _FULL_WINDOW
+                                 for t in cfg.layer_types], jnp.int32)
+        return state_scale, inv_freq, windows
+
+    def __call__(self, input_ids, attention_mask=None, positions=None):
+        """Returns (final normed hidden states [B,T,D] in the compute dtype, ForwardAux)."""
+        cfg = self.cfg
+        dt = dtypes(cfg)[0]
+        B, T = input_ids.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))
+        e = jnp.take(self.embed_tokens.weight[...], input_ids, axis=0).astype(jnp.float32)
+        h = (e + self.input_hidden_states_bias[...].astype(jnp.float32)) * self.input_hidden_states_scale[...].astype(
+            jnp.float32)
+        router_state = jnp.zeros((B, T, cfg.router_hidden_size), jnp.float32)
+        state_scale, inv_freq, windows = self._per_layer_inputs()
+        uniform_window = cfg.sliding_window if set(cfg.layer_types) == {"hybrid_sliding"} else None
+        graphdef, layer_state = nnx.split(self.layers)
+
+        def body(carry, xs):
+            h, r = carry
+            params, scale, freq, window = xs
+            layer = nnx.merge(graphdef, params)
+            if windows is not None and uniform_window is None:
+                window_arg = window
+            else:
+                window_arg = uniform_window
+            h, r, counts, _ = layer(h, r, state_scale=scale, positions=positions, inv_freq=freq,
+                                    sliding_window=window_arg, attention_mask=attention_mask)
+            return (h, r), counts
+
+        if cfg.remat != "none":
+            body = jax.checkpoint(body, policy=_REMAT[cfg.remat], prevent_cse=not cfg.scan_layers)
+        xs = (layer_state, state_scale, inv_freq, windows)
+        if cfg.scan_layers:
+            (h, _), counts = jax.lax.scan(body, (h, router_state), xs)
+        else:
+            carry, counts = (h, router_state), []
+            for i in range(cfg.num_hidden_layers):
+                carry, c = body(carry, jax.tree.map(lambda a: a[i], xs))
+                counts.append(c)
+            h, counts = carry[0], jnp.stack(counts)
+        y = norm_ops.rms_norm(h, self.norm.weight[...], cfg.rms_norm_eps, dt, impl=cfg.norm_impl)
+        return y, ForwardAux(expert_counts=counts)
+
+
+class LMHead(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        _, pdt = dtypes(cfg)
+        self.weight = nnx.Param(normal_init(cfg)(rngs.params(), (cfg.vocab_size, cfg.hidden_size), pdt))
+        self.bias = nnx.Param(jnp.zeros((cfg.vocab_size,), pdt)) if cfg.lm_head_bias else None
+
+
+class ZayaForCausalLM(nnx.Module):
+    """model(input_ids, attention_mask=None) -> fp32 logits [B, T, vocab]."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs | None = None, *, seed: int = 0):
+        rngs = rngs if rngs is not None else nnx.Rngs(seed)
+        self.cfg = cfg
+        self.model = ZayaModel(cfg, rngs)
+        self.lm_head = None if cfg.tie_word_embeddings else LMHead(cfg, rngs)
+
+    def __call__(self, input_ids, attention_mask=None, positions=None):
+        return self.forward(input_ids, attention_mask, positions)[0]
+
+    def forward(self, input_ids, attention_mask=None, positions=None):
+        """Returns (fp32 logits, ForwardAux)."""
+        y, aux = self.model(input_ids, attention_mask, positions)
+        return self.logits(y), aux
+
+    def head_weight(self):
+        return self.model.embed_tokens.weight[...] if self.lm_head is None else self.lm_head.weight[...]
+
+    def logits(self, y):
+        """fp32 logits from final hidden states (compute dtype operands, fp32 accumulation)."""
+        logits = jnp.einsum("...d,vd->...v", y, self.head_weight().astype(y.dtype), preferred_element_type=jnp.float32)
+        if self.lm_head is not None and self.lm_head.bias is not None:
+            logits = logits + self.lm_head.bias[...].astype(jnp.float32)
+        return logits
