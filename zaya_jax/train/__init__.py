@@ -1,0 +1,1 @@
+"""Training: state, jitted step (loss, gradients, balancing, optimizer), loop, evaluation, metrics."""
