@@ -1,0 +1,47 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from zaya_jax.checkpoint.manager import CheckpointError, CheckpointManager, abstract_like
+
+
+def _mesh(n):
+    return Mesh(np.array(jax.devices()[:n]), ("data",))
+
+
+def _state(mesh):
+    shard = NamedSharding(mesh, P("data"))
+    rep = NamedSharding(mesh, P())
+    return {"params": {"w": jax.device_put(jnp.arange(64.0).reshape(16, 4), shard)},
+            "opt": {"mu": jax.device_put(jnp.ones((16, 4)) * 0.5, shard)},
+            "step": jax.device_put(jnp.array(7, jnp.int32), rep)}
+
+
+def test_async_save_then_restore_on_a_smaller_mesh(tmp_path):
+    mngr = CheckpointManager(str(tmp_path), save_interval_steps=1, max_to_keep=2)
+    state = _state(_mesh(8))
+    assert mngr.save(7, state, data={"step": 7, "seed": 1}, meta={"model": {"hidden": 4}})
+    mngr.wait()
+    small = _mesh(4)
+    target = abstract_like(state, jax.tree.map(lambda x: NamedSharding(small, x.sharding.spec), state))
+    r = CheckpointManager(str(tmp_path)).restore(target, expect_meta={"model": {"hidden": 4}})
+    assert r.step == 7 and r.data == {"step": 7, "seed": 1}
+    np.testing.assert_array_equal(r.state["params"]["w"], state["params"]["w"])
+    assert r.state["params"]["w"].sharding.mesh.devices.size == 4
+    mngr.close()
+
+
+def test_checkpoint_of_another_model_is_refused_by_name(tmp_path):
+    mngr = CheckpointManager(str(tmp_path), save_interval_steps=1)
+    state = _state(_mesh(2))
+    mngr.save(1, state, data={}, meta={"model": {"hidden": 4}})
+    mngr.close()
+    with pytest.raises(CheckpointError, match="different model"):
+        CheckpointManager(str(tmp_path)).restore(abstract_like(state), expect_meta={"model": {"hidden": 8}})
+
+
+def test_missing_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(CheckpointError, match="no finished checkpoint"):
+        CheckpointManager(str(tmp_path / "empty")).restore({})

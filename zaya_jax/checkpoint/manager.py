@@ -1,0 +1,101 @@
+"""Orbax checkpoints of the whole training state: asynchronous saves, restore onto any mesh.
+
+One checkpoint = three Orbax items: `state` (params, optimizer state, balancing biases and controller state,
+step: arrays, saved as logical (unsharded) arrays so a restore can lay them out on a different mesh), `data`
+(the data iterator's JSON position) and `meta` (the model config and run info, checked on restore so a
+checkpoint of another model is refused with a clear message instead of a shape error deep inside Orbax).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used: missing, unfinished, or written for another model."""
+
+
+@dataclasses.dataclass
+class Restored:
+    step: int
+    state: Any
+    data: dict
+    meta: dict
+
+
+class CheckpointManager:
+    def __init__(self, directory: str, *, save_interval_steps: int = 100, max_to_keep: int | None = 3,
+                 async_save: bool = True):
+        self.directory = os.path.abspath(directory)
+        options = ocp.CheckpointManagerOptions(save_interval_steps=save_interval_steps, max_to_keep=max_to_keep,
+                                               enable_async_checkpointing=async_save, create=True)
+        self._mngr = ocp.CheckpointManager(self.directory, options=options)
+
+    # ---- save ---------------------------------------------------------------------------------------------------
+    def save(self, step: int, state, *, data: dict, meta: dict, force: bool = False) -> bool:
+        """Starts an asynchronous save (returns once device buffers are copied); False if the interval skips it."""
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data),
+                                  meta=ocp.args.JsonSave(_jsonable(meta)))
+        return self._mngr.save(step, args=args, force=force)
+
+    def wait(self):
+        self._mngr.wait_until_finished()
+
+    def close(self):
+        self._mngr.wait_until_finished()
+        self._mngr.close()
+
+    # ---- restore ------------------------------------------------------------------------------------------------
+    def all_steps(self) -> list[int]:
+        return sorted(self._mngr.all_steps())
+
+    def latest_step(self) -> int | None:
+        return self._mngr.latest_step()
+
+    def restore(self, abstract_state, *, step: int | None = None, expect_meta: dict | None = None) -> Restored:
+        """Restores onto the shardings of `abstract_state` (a pytree of jax.ShapeDtypeStruct with .sharding), so
+        the saving and the restoring mesh may differ. `expect_meta`: keys whose saved values must match."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointError(f"no finished checkpoint in {self.directory}")
+        if step not in self._mngr.all_steps():
+            raise CheckpointError(f"no checkpoint for step {step} in {self.directory} (have {self.all_steps()})")
+        meta = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        for key, want in (expect_meta or {}).items():
+            got = meta.get(key)
+            if _jsonable(want) != got:
+                raise CheckpointError(f"checkpoint {self.directory} step {step} was written for a different "
+                                      f"{key}:\n  checkpoint: {json.dumps(got, sort_keys=True)}\n"
+                                      f"  this run:   {json.dumps(_jsonable(want), sort_keys=True)}")
+        try:
+            r = self._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
+                                                                 data=ocp.args.JsonRestore()))
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f"checkpoint {self.directory} step {step} does not match this run's state "
+                                  f"structure: {e}") from e
+        return Restored(step=step, state=r["state"], data=r["data"], meta=meta)
+
+
+def abstract_like(tree, shardings=None):
+    """ShapeDtypeStructs of `tree` carrying target shardings (default: the arrays' own)."""
+    if shardings is None:
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def _jsonable(x):
+    return json.loads(json.dumps(x, default=_default, sort_keys=True))
+
+
+def _default(o):
+    if dataclasses.is_dataclass(o):
+        return dataclasses.asdict(o)
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    return str(o)
