@@ -1,0 +1,57 @@
+"""python -m launch.prepare_data INPUT [INPUT ...] --output-prefix OUT [--tokenizer byte|tokenizer.json]
+
+Tokenizes text, JSONL or parquet files into a Megatron indexed dataset OUT.bin / OUT.idx (one document per
+text file, JSONL line or parquet row; --split-lines makes every non-empty text line a document), ending each
+document with eos. --holdout-every N sends every N-th document to OUT_valid.bin/.idx instead.
+    python -m launch.prepare_data --builtin   builds the built-in corpus (Python's docs + stdlib) in the cache
+"""
+
+import argparse
+import sys
+
+from zaya_jax.data import DataError, builtin_corpus, iter_documents, load_tokenizer, tokenize_to_indexed
+from zaya_jax.data.prepare import FORMATS
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("inputs", nargs="*", help="text / .jsonl / .parquet files (.gz allowed for text and JSONL)")
+    ap.add_argument("--output-prefix", help="writes OUTPUT_PREFIX.bin and OUTPUT_PREFIX.idx")
+    ap.add_argument("--tokenizer", default="byte", help="'byte', a tokenizer.json, or a folder holding one")
+    ap.add_argument("--format", default="auto", choices=FORMATS, help="input format (auto: by file extension)")
+    ap.add_argument("--text-key", default="text", help="JSONL field / parquet column holding the text")
+    ap.add_argument("--split-lines", action="store_true", help="text inputs: one document per non-empty line")
+    ap.add_argument("--dtype", default=None, choices=["uint16", "int32", "uint32", "int64"],
+                    help="token dtype (default: uint16 below 65500 ids, else int32; uint32 is not Megatron-readable)")
+    ap.add_argument("--no-eos", action="store_true", help="do not end documents with the eos token")
+    ap.add_argument("--eos-token", default=None, help="name of the eos token in a tokenizer.json vocabulary")
+    ap.add_argument("--holdout-every", type=int, default=0, help="every N-th document goes to OUTPUT_PREFIX_valid")
+    ap.add_argument("--builtin", action="store_true", help="build the built-in corpus in the cache and exit")
+    ap.add_argument("--cache-dir", default=None, help="--builtin: cache folder (default $ZAYA_DATA_CACHE or ~/.cache)")
+    args = ap.parse_args(argv)
+
+    special = {"eos_token": args.eos_token} if args.eos_token else {}
+    try:
+        tokenizer = load_tokenizer(args.tokenizer, **special)
+        if args.builtin:
+            corpus = builtin_corpus(tokenizer, args.cache_dir)
+            print(f"built-in corpus in {corpus.directory}")
+            return 0
+        if not args.inputs or not args.output_prefix:
+            ap.error("give INPUT files and --output-prefix (or --builtin)")
+        valid = f"{args.output_prefix}_valid" if args.holdout_every > 0 else None
+        documents = iter_documents(args.inputs, args.format, text_key=args.text_key, split_lines=args.split_lines)
+        stats = tokenize_to_indexed(documents, tokenizer, args.output_prefix, dtype=args.dtype,
+                                    append_eos=not args.no_eos, valid_prefix=valid, holdout_every=args.holdout_every)
+    except DataError as e:
+        print(f"prepare_data: {e}", file=sys.stderr)
+        return 1
+    rate = stats.tokens / max(stats.seconds, 1e-9)
+    print(f"{args.output_prefix}: {stats.documents} documents, {stats.tokens} tokens ({rate:,.0f} tokens/s)")
+    if valid:
+        print(f"{valid}: {stats.valid_documents} documents, {stats.valid_tokens} tokens")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""Tokenizing text / JSONL / parquet into indexed datasets, through the library and the CLI."""
+
+import gzip
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+
+from launch.prepare_data import main as prepare_main
+from zaya_jax.data import ByteTokenizer, DataError, IndexedDataset, iter_documents, tokenize_to_indexed
+
+TOK = ByteTokenizer()
+
+
+def decoded(prefix):
+    ds = IndexedDataset(prefix)
+    return [TOK.decode(ds[i]) for i in range(len(ds))], ds
+
+
+def test_jsonl_with_eos_and_holdout(tmp_path):
+    src = tmp_path / "in.jsonl"
+    texts = [f"document number {i}" for i in range(7)]
+    src.write_text("\n".join(json.dumps({"text": t, "id": i}) for i, t in enumerate(texts)) + "\n\n")
+    stats = tokenize_to_indexed(iter_documents([str(src)]), TOK, str(tmp_path / "out"),
+                                valid_prefix=str(tmp_path / "val"), holdout_every=3)
+    train, ds = decoded(str(tmp_path / "out"))
+    valid, _ = decoded(str(tmp_path / "val"))
+    assert train == [texts[i] for i in (0, 1, 3, 4, 6)] and valid == [texts[2], texts[5]]
+    assert ds.dtype == np.uint16 and all(ds[i][-1] == TOK.eos_id for i in range(len(ds)))
+    assert (stats.documents, stats.valid_documents) == (5, 2)
+    assert stats.tokens == sum(len(t) + 1 for t in train)
+
+
+def test_text_files_whole_or_by_line_and_gzip(tmp_path):
+    (tmp_path / "a.txt").write_text("first\n\nsecond line\n")
+    with gzip.open(tmp_path / "b.txt.gz", "wt") as f:
+        f.write("zipped")
+    paths = [str(tmp_path / "a.txt"), str(tmp_path / "b.txt.gz")]
+    assert list(iter_documents(paths)) == ["first\n\nsecond line\n", "zipped"]
+    assert list(iter_documents(paths, split_lines=True)) == ["first", "second line", "zipped"]
+
+
+def test_bad_inputs_are_named(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"body": "no text"}\n')
+    with pytest.raises(DataError, match="bad.jsonl:2: no 'text' field"):
+        list(iter_documents([str(bad)]))
+    with pytest.raises(DataError, match="no such input"):
+        list(iter_documents([str(tmp_path / "missing.txt")]))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("pyarrow") is not None, reason="pyarrow is installed")
+def test_parquet_without_pyarrow_says_so(tmp_path):
+    path = tmp_path / "x.parquet"
+    path.write_bytes(b"PAR1")
+    with pytest.raises(DataError, match="needs pyarrow"):
+        list(iter_documents([str(path)]))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("pyarrow") is None, reason="needs pyarrow")
+def test_parquet_column(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["one", None, "two"]}), tmp_path / "x.parquet")
+    assert list(iter_documents([str(tmp_path / "x.parquet")])) == ["one", "two"]
+
+
+def test_cli_writes_dataset_and_reports_errors(tmp_path, capsys):
+    src = tmp_path / "doc.txt"
+    src.write_text("hello\nworld\n")
+    out = str(tmp_path / "cli")
+    assert prepare_main([str(src), "--output-prefix", out, "--split-lines", "--dtype", "int32"]) == 0
+    texts, ds = decoded(out)
+    assert texts == ["hello", "world"] and ds.dtype == np.int32
+    assert "2 documents" in capsys.readouterr().out
+    assert prepare_main([str(tmp_path / "nope.txt"), "--output-prefix", out]) == 1
+    assert "no such input file" in capsys.readouterr().err
