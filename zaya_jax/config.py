@@ -183,7 +183,7 @@ class ModelConfig:
         experts = E * (2 * I * D + D * I)
         per_layer = attn + router + experts + 2 * D + 8 * D
         embed = self.vocab_size * D
-        head = 0 if self.tie_word_embeddings else self.vocab_size * D + int(self.lm_head_bias) * self.vocab_size
+        head = (0 if self.tie_word_embeddings else self.vocab_size * D) + int(self.lm_head_bias) * self.vocab_size
         non_embed = L * per_layer + (L - 1) * R + 2 * D + D
         active = non_embed - L * (E - 1) * (2 * I * D + D * I)
         return {"total": non_embed + embed + head, "embedding": embed + head, "non_embedding": non_embed,

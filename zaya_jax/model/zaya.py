@@ -117,9 +117,12 @@ class ZayaModel(nnx.Module):
 
 
 class LMHead(nnx.Module):
+    """The untied head weight and/or the head bias (HF keeps lm_head.bias even when the weight is tied)."""
+
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         _, pdt = dtypes(cfg)
-        self.weight = nnx.Param(normal_init(cfg)(rngs.params(), (cfg.vocab_size, cfg.hidden_size), pdt))
+        self.weight = None if cfg.tie_word_embeddings else nnx.Param(
+            normal_init(cfg)(rngs.params(), (cfg.vocab_size, cfg.hidden_size), pdt))
         self.bias = nnx.Param(jnp.zeros((cfg.vocab_size,), pdt)) if cfg.lm_head_bias else None
 
 
@@ -130,7 +133,7 @@ class ZayaForCausalLM(nnx.Module):
         rngs = rngs if rngs is not None else nnx.Rngs(seed)
         self.cfg = cfg
         self.model = ZayaModel(cfg, rngs)
-        self.lm_head = None if cfg.tie_word_embeddings else LMHead(cfg, rngs)
+        self.lm_head = LMHead(cfg, rngs) if not cfg.tie_word_embeddings or cfg.lm_head_bias else None
 
     def __call__(self, input_ids, attention_mask=None, positions=None):
         return self.forward(input_ids, attention_mask, positions)[0]
@@ -141,7 +144,7 @@ class ZayaForCausalLM(nnx.Module):
         return self.logits(y), aux
 
     def head_weight(self):
-        return self.model.embed_tokens.weight[...] if self.lm_head is None else self.lm_head.weight[...]
+        return self.model.embed_tokens.weight[...] if self.cfg.tie_word_embeddings else self.lm_head.weight[...]
 
     def logits(self, y):
         """fp32 logits from final hidden states (compute dtype operands, fp32 accumulation)."""
