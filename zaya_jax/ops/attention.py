@@ -86,3 +86,16 @@ def attention(q, k, v, *, impl: str = "xla", q_positions=None, kv_positions=None
         from pallas_kernels import cca_attention
         return cca_attention.attention(q, k, v, **kw)
     raise ValueError(f"attention: unknown impl {impl!r} (use 'xla', 'pallas' or 'cudnn')")
+
+
+def attention_with_lse(q, k, v, *, impl: str = "xla", q_positions=None, kv_positions=None, kv_valid=None,
+                       q_segment_ids=None, kv_segment_ids=None, sliding_window=None, scale=None):
+    """(o, lse [B, H, T]) for merging context-parallel chunks: o = sum_c exp(lse_c - lse) o_c; differentiable."""
+    kw = dict(q_positions=q_positions, kv_positions=kv_positions, kv_valid=kv_valid, q_segment_ids=q_segment_ids,
+              kv_segment_ids=kv_segment_ids, sliding_window=sliding_window, scale=scale)
+    if impl == "xla":
+        return attention_reference(q, k, v, return_lse=True, **kw)
+    if impl == "pallas":
+        from pallas_kernels import cca_attention
+        return cca_attention.attention_with_lse(q, k, v, **kw)
+    raise ValueError(f"attention_with_lse: unknown impl {impl!r} (use 'xla' or 'pallas')")

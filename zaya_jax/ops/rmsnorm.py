@@ -18,6 +18,15 @@ def rms_norm_reference(x, weight, eps: float, out_dtype=None):
     return (weight.astype(jnp.float32) * (xf * inv)).astype(out_dtype)
 
 
+def layer_norm_reference(x, weight, bias, eps: float, out_dtype=None):
+    """LayerNorm with fp32 statistics (centred variance), for the kernels' parity tests and non-ZAYA configs."""
+    out_dtype = out_dtype or x.dtype
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    inv = jax.lax.rsqrt(jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True) + eps)
+    return (weight.astype(jnp.float32) * ((xf - mean) * inv) + bias.astype(jnp.float32)).astype(out_dtype)
+
+
 def residual_merge_reference(branch, residual, hs_scale, hs_bias, res_scale, res_bias):
     f32 = jnp.float32
     return ((branch.astype(f32) + hs_bias.astype(f32)) * hs_scale.astype(f32)
@@ -50,3 +59,12 @@ def merge_rms_norm(branch, residual, hs_scale, hs_bias, res_scale, res_bias, nor
         return k.merge_rms_norm(branch, residual, hs_scale, hs_bias, res_scale, res_bias, norm_weight, eps,
                                 out_dtype)
     raise ValueError(f"merge_rms_norm: unknown impl {impl!r} (use 'xla' or 'pallas')")
+
+
+def layer_norm(x, weight, bias, eps: float, out_dtype=None, *, impl: str = "xla"):
+    if impl == "xla":
+        return layer_norm_reference(x, weight, bias, eps, out_dtype)
+    if impl == "pallas":
+        from pallas_kernels import rmsnorm as k
+        return k.layer_norm(x, weight, bias, eps, out_dtype)
+    raise ValueError(f"layer_norm: unknown impl {impl!r} (use 'xla' or 'pallas')")

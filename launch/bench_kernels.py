@@ -1,0 +1,120 @@
+"""Kernel benchmark: `python -m launch.bench_kernels [--out FILE] [--quick] [--no-sweep]`.
+
+Measures the bf16 GEMM and copy-bandwidth ceilings, sweeps the launch parameters of the fused norm and the
+attention kernels, then times norms and attention (Pallas vs XLA, and cuDNN on NVIDIA) at ZAYA1 shapes and writes
+everything to a JSON file with a `ratios` summary. See pallas_kernels/_bench.py for how timings are taken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import warnings
+
+import jax
+
+warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated", category=DeprecationWarning)
+
+from pallas_kernels import _bench as bench  # noqa: E402
+from pallas_kernels import _platform  # noqa: E402
+from pallas_kernels._platform import NormLaunch  # noqa: E402
+
+FWD_CFGS = [dict(fwd_q=128, fwd_k=64, fwd_warps=8, fwd_stages=3), dict(fwd_q=128, fwd_k=64, fwd_warps=8, fwd_stages=2),
+            dict(fwd_q=128, fwd_k=128, fwd_warps=8, fwd_stages=2), dict(fwd_q=64, fwd_k=64, fwd_warps=4, fwd_stages=3),
+            dict(fwd_q=64, fwd_k=128, fwd_warps=4, fwd_stages=2)]
+DQ_CFGS = [dict(dq_q=128, dq_k=64, dq_warps=8, dq_stages=2), dict(dq_q=128, dq_k=64, dq_warps=8, dq_stages=3),
+           dict(dq_q=64, dq_k=64, dq_warps=4, dq_stages=3), dict(dq_q=128, dq_k=32, dq_warps=8, dq_stages=3)]
+DKV_CFGS = [dict(dkv_q=32, dkv_k=128, dkv_warps=8, dkv_stages=2), dict(dkv_q=32, dkv_k=128, dkv_warps=8, dkv_stages=3),
+            dict(dkv_q=16, dkv_k=128, dkv_warps=8, dkv_stages=3), dict(dkv_q=64, dkv_k=64, dkv_warps=8, dkv_stages=2)]
+NORM_FWD = [NormLaunch(1, 4), NormLaunch(1, 8), NormLaunch(2, 8), NormLaunch(4, 16), NormLaunch(1, 16)]
+
+
+def _norm_bwd_launches(sms: int):
+    return [(NormLaunch(1, 8), 4 * sms), (NormLaunch(1, 16), sms), (NormLaunch(1, 16), 4 * sms),
+            (NormLaunch(2, 16), 2 * sms), (NormLaunch(1, 4), 8 * sms)]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", default="benchmarks/kernels.json")
+    ap.add_argument("--quick", action="store_true", help="small shapes only (smoke test)")
+    ap.add_argument("--no-sweep", action="store_true", help="use the built-in launch parameters")
+    args = ap.parse_args()
+    cuda = _platform.vendor() == "cuda"
+    report = dict(device=bench.device_summary())
+
+    def save():
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+
+    print("ceilings", flush=True)
+    copy = bench.copy_ceiling_tbps(2 ** 28 if args.quick else 2 ** 30)
+    gemm = bench.gemm_ceiling_tflops(2048 if args.quick else 8192)
+    report["ceilings"] = dict(copy_tbps=copy, gemm_bf16_tflops=gemm)
+    print(f"  copy {copy:.2f} TB/s, bf16 GEMM {gemm:.0f} TFLOP/s", flush=True)
+    save()
+
+    d_model = 2048
+    attn_default = _platform.attention_blocks(128)
+    norm_tuning = contextlib.nullcontext()
+    if not args.no_sweep:
+        print("sweeps", flush=True)
+        sms = report["device"]["core_count"] or 132
+        rows = 4096 if args.quick else 16384
+        table, best_fwd, (best_bwd, best_programs) = bench.sweep_norm_launch(rows, d_model, NORM_FWD,
+                                                                             _norm_bwd_launches(sms))
+        report["sweep_norm"] = dict(table, rows=rows, d=d_model, best_fwd=dataclasses.asdict(best_fwd),
+                                    best_bwd=dict(dataclasses.asdict(best_bwd), programs=best_programs))
+        print(f"  norm best fwd {best_fwd}, bwd {best_bwd} x{best_programs} programs", flush=True)
+        norm_tuning = _platform.norm_launch_override(best_fwd, best_bwd, best_programs)
+        B, T = (1, 1024) if args.quick else (4, 4096)
+        results, attn_default = bench.sweep_attention_blocks(B, T, 8, 2, 128, FWD_CFGS, DQ_CFGS, DKV_CFGS,
+                                                             attn_default)
+        report["sweep_attention"] = dict(results, shape=dict(B=B, T=T, H=8, KV=2, d=128),
+                                         best=dataclasses.asdict(attn_default))
+        print(f"  attention best {attn_default}", flush=True)
+        save()
+
+    print("norms", flush=True)
+    norm_shapes = [(2048, d_model)] if args.quick else [(8192, d_model), (16384, d_model)]
+    with norm_tuning:
+        report["norms"] = bench.bench_norms(norm_shapes, copy)
+    save()
+
+    print("attention", flush=True)
+    attn_shapes = [(1, 1024, 8, 2, 128)] if args.quick else [(4, 4096, 8, 2, 128), (2, 4096, 8, 2, 128),
+                                                               (1, 32768, 8, 2, 128)]
+
+    def impls_for(T):
+        impls = ["pallas"] + (["pallas_positions"] if T == 4096 else []) + (["cudnn"] if cuda else [])
+        return impls + (["xla"] if T <= 8192 else [])  # the reference materialises [B, H, T, T] fp32 scores
+
+    report["attention"] = bench.bench_attention(attn_shapes, impls_for, attn_default)
+    report["attention_blocks_used"] = dataclasses.asdict(attn_default)
+
+    big_norm = [e for e in report["norms"] if e["kind"] == "merge_rms_norm"][-1]
+    main_attn = report["attention"][0]
+    long_attn = report["attention"][-1]
+    ratios = dict(
+        rmsnorm_vs_copy_bandwidth=big_norm["pallas_fwdbwd_vs_copy"],
+        rmsnorm_fwdbwd_vs_xla=big_norm["fwdbwd_speedup_vs_xla"],
+        rmsnorm_fwd_vs_copy_bandwidth=big_norm["pallas_fwd_vs_copy"],
+        attention_fwd_vs_xla=main_attn.get("pallas_fwd_vs_xla"),
+        attention_fwdbwd_vs_xla=main_attn.get("pallas_fwdbwd_vs_xla"),
+        attention_fwd_vs_cudnn=main_attn.get("pallas_fwd_vs_cudnn"),
+        attention_fwdbwd_vs_cudnn=main_attn.get("pallas_fwdbwd_vs_cudnn"),
+        attention_long_fwdbwd_vs_cudnn=long_attn.get("pallas_fwdbwd_vs_cudnn"),
+        attention_fwdbwd_tflops_vs_gemm=main_attn["pallas_fwdbwd_tflops"] / gemm,
+    )
+    report["ratios"] = ratios
+    save()
+    print("ratios", flush=True)
+    for key, val in ratios.items():
+        print(f"  {key:34s} {'-' if val is None else f'{val:.3f}'}")
+    print(f"wrote {args.out} on {jax.devices()[0].device_kind}")
+
+
+if __name__ == "__main__":
+    main()

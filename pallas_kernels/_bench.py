@@ -1,0 +1,259 @@
+"""Measurements behind `python -m launch.bench_kernels`: ceilings, norm and attention timings, launch sweeps.
+
+Timing: each measurement jits the function, runs it a few times to compile and warm up, then takes the median
+over `reps` repeats of (n back-to-back calls, then block_until_ready) / n. Inputs are fresh random arrays (never
+zeros) and larger than the L2 cache. Bytes count each input read once and each output written once; attention
+FLOPs count the causal forward as 2*B*T^2*H*d (half of the dense 4*B*T^2*H*d) and forward+backward as 3.5x that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import _attention_blocks as blocks_lib
+from pallas_kernels import _attention_kernels as attn_kern
+from pallas_kernels import _norm_kernels as norm_kern
+from pallas_kernels import _platform
+from pallas_kernels import cca_attention, rmsnorm
+from pallas_kernels._platform import AttentionBlocks, NormLaunch
+from zaya_jax.ops import attention as attn_ops
+from zaya_jax.ops import rmsnorm as norm_ops
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+EPS = 1e-5
+
+
+def time_call(fn, *args, reps: int = 7, calls: int = 10, warmup: int = 2) -> float:
+    """Median seconds per call of an already-jitted fn."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - t0) / calls)
+    return statistics.median(samples)
+
+
+def _normal(key, shape, dtype, scale=1.0):
+    return (scale * jax.random.normal(key, shape, F32)).astype(dtype)
+
+
+# ------------------------------------------------------------------------------------------------- ceilings
+def gemm_ceiling_tflops(n: int = 8192) -> float:
+    ka, kb = jax.random.split(jax.random.key(0))
+    a, b = _normal(ka, (n, n), BF16), _normal(kb, (n, n), BF16)
+    t = time_call(jax.jit(lambda a, b: a @ b), a, b, calls=5)
+    return 2 * n ** 3 / t / 1e12
+
+
+def copy_ceiling_tbps(n_bytes: int = 2 ** 30) -> float:
+    """Read + write bandwidth of a streaming scale (y = 1.5 x) over an fp32 buffer of n_bytes."""
+    x = _normal(jax.random.key(1), (n_bytes // 4,), F32)
+    t = time_call(jax.jit(lambda x: x * 1.5), x)
+    return 2 * n_bytes / t / 1e12
+
+
+# ---------------------------------------------------------------------------------------------------- norms
+def _norm_problem(rows: int, d: int):
+    k = jax.random.split(jax.random.key(2), 10)
+    vecs = [1.0 + 0.1 * jax.random.normal(k[i], (d,)) for i in range(6)]
+    return dict(branch=_normal(k[6], (rows, d), BF16), residual=_normal(k[7], (rows, d), F32, 4.0),
+                dh=_normal(k[8], (rows, d), F32), dy=_normal(k[9], (rows, d), BF16), vecs=vecs)
+
+
+def _norm_fns(kind: str, impl: str):
+    """(fwd, fwd+bwd) jitted functions over a problem dict, and their byte counts per element."""
+    ops = {"pallas": rmsnorm, "xla": None}[impl]
+    if kind == "merge_rms_norm":
+        fn = ops.merge_rms_norm if ops else norm_ops.merge_rms_norm_reference
+        fwd = jax.jit(lambda p: fn(p["branch"], p["residual"], *p["vecs"][:5], EPS, BF16))
+
+        def fwd_bwd(p):
+            out, pull = jax.vjp(lambda b, r, *v: fn(b, r, *v, EPS, BF16), p["branch"], p["residual"],
+                                *p["vecs"][:5])
+            return out, pull((p["dh"], p["dy"]))
+        return fwd, jax.jit(fwd_bwd), (2 + 4 + 4 + 2), (2 + 4 + 4 + 2) + (2 + 4 + 4 + 2 + 2 + 4)
+    if kind == "rms_norm":
+        fn = ops.rms_norm if ops else norm_ops.rms_norm_reference
+        fwd = jax.jit(lambda p: fn(p["residual"], p["vecs"][0], EPS, BF16))
+
+        def fwd_bwd(p):
+            out, pull = jax.vjp(lambda x, w: fn(x, w, EPS, BF16), p["residual"], p["vecs"][0])
+            return out, pull(p["dy"])
+        return fwd, jax.jit(fwd_bwd), 4 + 2, (4 + 2) + (4 + 2 + 4)
+    fn = ops.layer_norm if ops else norm_ops.layer_norm_reference
+    fwd = jax.jit(lambda p: fn(p["residual"], p["vecs"][0], p["vecs"][1], EPS, BF16))
+
+    def fwd_bwd(p):
+        out, pull = jax.vjp(lambda x, w, b: fn(x, w, b, EPS, BF16), p["residual"], p["vecs"][0], p["vecs"][1])
+        return out, pull(p["dy"])
+    return fwd, jax.jit(fwd_bwd), 4 + 2, (4 + 2) + (4 + 2 + 4)
+
+
+def bench_norms(shapes, copy_tbps: float):
+    rows_out = []
+    for rows, d in shapes:
+        p = _norm_problem(rows, d)
+        for kind in ("merge_rms_norm", "rms_norm", "layer_norm"):
+            entry = dict(kind=kind, rows=rows, d=d)
+            for impl in ("pallas", "xla"):
+                fwd, fwd_bwd, fwd_bytes, total_bytes = _norm_fns(kind, impl)
+                for phase, fn, nbytes in (("fwd", fwd, fwd_bytes), ("fwdbwd", fwd_bwd, total_bytes)):
+                    t = time_call(fn, p)
+                    tbps = rows * d * nbytes / t / 1e12
+                    entry[f"{impl}_{phase}_ms"] = t * 1e3
+                    entry[f"{impl}_{phase}_tbps"] = tbps
+                    entry[f"{impl}_{phase}_vs_copy"] = tbps / copy_tbps
+            for phase in ("fwd", "fwdbwd"):
+                entry[f"{phase}_speedup_vs_xla"] = entry[f"xla_{phase}_ms"] / entry[f"pallas_{phase}_ms"]
+            rows_out.append(entry)
+            print(f"  {kind:15s} rows={rows:6d} fwd {entry['pallas_fwd_ms']:.3f} ms ({entry['pallas_fwd_tbps']:.2f} TB/s,"
+                  f" xla x{entry['fwd_speedup_vs_xla']:.2f})  fwd+bwd {entry['pallas_fwdbwd_ms']:.3f} ms "
+                  f"({entry['pallas_fwdbwd_tbps']:.2f} TB/s, xla x{entry['fwdbwd_speedup_vs_xla']:.2f})", flush=True)
+    return rows_out
+
+
+def sweep_norm_launch(rows: int, d: int, fwd_launches, bwd_launches):
+    """Times the fused merge kernels alone under each launch; returns the timings and the fastest of each."""
+    p = _norm_problem(rows, d)
+    hs, hb, rs, rb, w = p["vecs"][:5]
+    _, _, rstd = norm_kern.merge_forward(p["branch"], p["residual"], hs, hb, rs, rb, w, eps=EPS, out_dtype=BF16)
+    fwd_t, bwd_t = {}, {}
+    for launch in fwd_launches:
+        fn = jax.jit(lambda p, L=launch: norm_kern.merge_forward(p["branch"], p["residual"], *p["vecs"][:5],
+                                                                 eps=EPS, out_dtype=BF16, launch=L))
+        fwd_t[launch] = time_call(fn, p)
+    for launch, programs in bwd_launches:
+        fn = jax.jit(lambda p, rstd, L=launch, P=programs: norm_kern.merge_backward(
+            p["branch"], p["residual"], p["dh"], p["dy"], rstd, *p["vecs"][:5], launch=L, programs=P))
+        bwd_t[(launch, programs)] = time_call(fn, p, rstd)
+    fwd_bytes, bwd_bytes = rows * d * 12, rows * d * 18
+    table = dict(fwd=[dict(rows_per_program=L.rows, num_warps=L.num_warps, ms=t * 1e3,
+                           tbps=fwd_bytes / t / 1e12) for L, t in fwd_t.items()],
+                 bwd=[dict(rows_per_program=L.rows, num_warps=L.num_warps, programs=P, ms=t * 1e3,
+                           tbps=bwd_bytes / t / 1e12) for (L, P), t in bwd_t.items()])
+    return table, min(fwd_t, key=fwd_t.get), min(bwd_t, key=bwd_t.get)
+
+
+# ------------------------------------------------------------------------------------------------ attention
+def attention_flops(B, T, H, d, fwd_bwd: bool) -> float:
+    return 2.0 * B * T * T * H * d * (3.5 if fwd_bwd else 1.0)
+
+
+def _attention_problem(B, T, H, KV, d):
+    k = jax.random.split(jax.random.key(3), 4)
+    return (_normal(k[0], (B, T, H, d), BF16), _normal(k[1], (B, T, KV, d), BF16),
+            _normal(k[2], (B, T, KV, d), BF16), _normal(k[3], (B, T, H, d), BF16))
+
+
+def _attention_fns(impl: str, blocks: AttentionBlocks | None):
+    if impl == "pallas":
+        def fn(q, k, v):
+            return cca_attention.attention(q, k, v, blocks=blocks)
+    elif impl == "pallas_positions":  # what the model calls: explicit position arrays, loop ranges built per call
+        def fn(q, k, v):
+            pos = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32), q.shape[:2])
+            return cca_attention.attention(q, k, v, q_positions=pos, kv_positions=pos, blocks=blocks)
+    elif impl == "cudnn":
+        def fn(q, k, v):
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    else:
+        def fn(q, k, v):
+            return attn_ops.attention_reference(q, k, v)
+
+    def fwd_bwd(q, k, v, do):
+        o, pull = jax.vjp(fn, q, k, v)
+        return o, pull(do)
+    return jax.jit(fn), jax.jit(fwd_bwd)
+
+
+def bench_attention(shapes, impls_for, blocks: AttentionBlocks):
+    out = []
+    for (B, T, H, KV, d) in shapes:
+        q, k, v, do = _attention_problem(B, T, H, KV, d)
+        entry = dict(B=B, T=T, H=H, KV=KV, d=d)
+        for impl in impls_for(T):
+            fwd, fwd_bwd = _attention_fns(impl, blocks)
+            try:
+                t_f = time_call(fwd, q, k, v, calls=5)
+                t_fb = time_call(fwd_bwd, q, k, v, do, calls=3)
+            except Exception as e:  # noqa: BLE001 - a baseline that cannot run at this size is recorded, not fatal
+                entry[f"{impl}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                print(f"  {impl} T={T}: {entry[f'{impl}_error']}", flush=True)
+                continue
+            entry[f"{impl}_fwd_ms"], entry[f"{impl}_fwdbwd_ms"] = t_f * 1e3, t_fb * 1e3
+            entry[f"{impl}_fwd_tflops"] = attention_flops(B, T, H, d, False) / t_f / 1e12
+            entry[f"{impl}_fwdbwd_tflops"] = attention_flops(B, T, H, d, True) / t_fb / 1e12
+            print(f"  {impl:17s} B={B} T={T:6d}: fwd {t_f * 1e3:8.3f} ms {entry[f'{impl}_fwd_tflops']:6.1f} TF/s | "
+                  f"fwd+bwd {t_fb * 1e3:8.3f} ms {entry[f'{impl}_fwdbwd_tflops']:6.1f} TF/s", flush=True)
+        for base in ("xla", "cudnn"):
+            for phase in ("fwd", "fwdbwd"):
+                if f"{base}_{phase}_ms" in entry and f"pallas_{phase}_ms" in entry:
+                    entry[f"pallas_{phase}_vs_{base}"] = entry[f"{base}_{phase}_ms"] / entry[f"pallas_{phase}_ms"]
+        out.append(entry)
+    return out
+
+
+def sweep_attention_blocks(B, T, H, KV, d, fwd_cfgs, dq_cfgs, dkv_cfgs, base: AttentionBlocks):
+    """Times each attention kernel alone under each tile config; returns the timings and the fastest blocks."""
+    q, k, v, do = _attention_problem(B, T, H, KV, d)
+    scale = d ** -0.5
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    np_pos = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
+
+    def ranges(bq, bk, per_kv):
+        return blocks_lib.ranges(np_pos, np_pos, None, None, None, bq, bk, per_kv_block=per_kv, static=True)
+
+    o, lse2 = attn_kern.forward(q, k, v, pos, pos, None, None, None, ranges(base.fwd_q, base.fwd_k, False),
+                                scale=scale, blocks=base)
+    delta = jnp.einsum("bthd,bthd->bht", o.astype(F32), do.astype(F32))
+    results = {"fwd": [], "dq": [], "dkv": []}
+    best = {}
+    for phase, cfgs in (("fwd", fwd_cfgs), ("dq", dq_cfgs), ("dkv", dkv_cfgs)):
+        timings = {}
+        for cfg in cfgs:
+            blocks = dataclasses.replace(base, **cfg)
+            bq, bk = getattr(blocks, f"{phase}_q"), getattr(blocks, f"{phase}_k")
+            rg = ranges(bq, bk, phase == "dkv")
+            if phase == "fwd":
+                fn = jax.jit(lambda q, k, v, rg, b=blocks: attn_kern.forward(
+                    q, k, v, pos, pos, None, None, None, rg, scale=scale, blocks=b))
+                args = (q, k, v, rg)
+            else:
+                kern_fn = attn_kern.backward_dq if phase == "dq" else attn_kern.backward_dkv
+                fn = jax.jit(lambda q, k, v, do, lse2, delta, rg, b=blocks, f=kern_fn: f(
+                    q, k, v, do, lse2, delta, pos, pos, None, None, None, rg, scale=scale, blocks=b))
+                args = (q, k, v, do, lse2, delta, rg)
+            try:
+                t = time_call(fn, *args, calls=5)
+            except Exception as e:  # noqa: BLE001 - e.g. a tile config that exceeds shared memory
+                results[phase].append(dict(cfg, error=f"{type(e).__name__}: {str(e)[:160]}"))
+                continue
+            timings[tuple(sorted(cfg.items()))] = t
+            # matmuls per tile: fwd 2 (qk, pv), dq 3 (qk, dp, dq), dkv 4 (qk, dv, dp, dk)
+            flops = attention_flops(B, T, H, d, False) * {"fwd": 1.0, "dq": 1.5, "dkv": 2.0}[phase]
+            results[phase].append(dict(cfg, ms=t * 1e3, tflops=flops / t / 1e12))
+            print(f"  sweep {phase:3s} {cfg}: {t * 1e3:.3f} ms", flush=True)
+        if timings:
+            best.update(dict(min(timings, key=timings.get)))
+    return results, dataclasses.replace(base, **best)
+
+
+def device_summary() -> dict:
+    dev = jax.devices()[0]
+    return dict(device_kind=dev.device_kind, platform=jax.default_backend(), vendor=_platform.vendor(),
+                jax_version=jax.__version__, core_count=getattr(dev, "core_count", None))
+
+
+__all__ = ["AttentionBlocks", "NormLaunch", "attention_flops", "bench_attention", "bench_norms",
+           "copy_ceiling_tbps", "device_summary", "gemm_ceiling_tflops", "sweep_attention_blocks",
+           "sweep_norm_launch", "time_call"]

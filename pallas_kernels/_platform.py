@@ -1,0 +1,136 @@
+"""Which backend the kernels run on, and the launch parameters tuned for it.
+
+Pallas reaches ROCm only through its Triton lowering, so every kernel here uses `plgpu.CompilerParams` (never
+Mosaic GPU). On the CPU the same kernels run in interpret mode (slow, exact), which is what the tests use.
+A ROCm wavefront is 64 lanes against a CUDA warp's 32, so `num_warps` on ROCm is half the CUDA value for the same
+number of threads per program, and Triton's software pipelining on ROCm is driven by num_stages <= 2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+
+import jax
+from jax.experimental.pallas import triton as plgpu
+
+
+@functools.cache
+def vendor() -> str:
+    """'cpu', 'cuda' or 'rocm' for the default backend."""
+    if jax.default_backend() == "cpu":
+        return "cpu"
+    dev = jax.devices()[0]
+    text = f"{getattr(dev.client, 'platform_version', '')} {dev.device_kind}".lower()
+    return "rocm" if ("rocm" in text or "amd" in text or "instinct" in text) else "cuda"
+
+
+def interpret() -> bool:
+    """Interpret mode on the CPU (Pallas has no CPU lowering), or when ZAYA_PALLAS_INTERPRET=1 forces it."""
+    return vendor() == "cpu" or os.environ.get("ZAYA_PALLAS_INTERPRET") == "1"
+
+
+def compiler_params(num_warps: int, num_stages: int) -> plgpu.CompilerParams:
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBlocks:
+    """Tile sizes and launch parameters of the three attention kernels (forward, dq, dk/dv)."""
+    fwd_q: int = 128
+    fwd_k: int = 64
+    fwd_warps: int = 8
+    fwd_stages: int = 3
+    dq_q: int = 128
+    dq_k: int = 64
+    dq_warps: int = 8
+    dq_stages: int = 2
+    dkv_q: int = 32
+    dkv_k: int = 128
+    dkv_warps: int = 8
+    dkv_stages: int = 2
+
+    def clipped(self, q_len: int, kv_len: int) -> "AttentionBlocks":
+        """Shrinks tiles for short sequences (never below 16, the smallest Triton dot)."""
+        def fit(block, n):
+            return max(16, min(block, _next_pow2(n)))
+        return dataclasses.replace(
+            self, fwd_q=fit(self.fwd_q, q_len), fwd_k=fit(self.fwd_k, kv_len), dq_q=fit(self.dq_q, q_len),
+            dq_k=fit(self.dq_k, kv_len), dkv_q=fit(self.dkv_q, q_len), dkv_k=fit(self.dkv_k, kv_len))
+
+
+# Measured choices live here (see benchmarks/kernels_h200.json for the sweep that picked the CUDA ones).
+_ATTENTION = {
+    "cuda": AttentionBlocks(),
+    # MI300X: 64-lane wavefronts (4 waves = 256 lanes), AMD's Triton pipeliner wants num_stages 1-2.
+    "rocm": AttentionBlocks(fwd_q=128, fwd_k=64, fwd_warps=4, fwd_stages=1, dq_q=128, dq_k=64, dq_warps=4,
+                            dq_stages=1, dkv_q=64, dkv_k=128, dkv_warps=4, dkv_stages=1),
+    # Interpret mode: small tiles keep the CPU interpreter quick and exercise the multi-block paths.
+    "cpu": AttentionBlocks(fwd_q=32, fwd_k=16, dq_q=32, dq_k=16, dkv_q=16, dkv_k=32),
+}
+
+
+def attention_blocks(head_dim: int) -> AttentionBlocks:
+    blocks = _ATTENTION[vendor()]
+    if head_dim > 128 and vendor() != "cpu":  # keep the fp32 accumulators of a q tile in registers
+        blocks = dataclasses.replace(blocks, fwd_q=64, dq_q=64, dkv_k=64)
+    return blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class NormLaunch:
+    """Rows per program and warps for the row-wise norm kernels over a padded row of `block_d` columns."""
+    rows: int
+    num_warps: int
+    num_stages: int = 1
+
+
+_norm_override: dict[str, object] = {}
+
+
+def norm_launch(block_d: int, phase: str = "fwd") -> NormLaunch:
+    """Whole rows per program (~2048 elements), ~8 fp32 values of each row tensor per lane in the forward.
+
+    The backward keeps four [D] fp32 partial sums live across its row loop, so it gets twice the lanes (half the
+    registers per lane) to stay under the register budget.
+    """
+    if phase in _norm_override:
+        return _norm_override[phase]
+    rows = max(1, min(4, 2048 // block_d))
+    lanes = 64 if vendor() == "rocm" else 32
+    warps = max(1, min(8, rows * block_d // (8 * lanes)))
+    if phase == "bwd":
+        warps = min(16 if lanes == 32 else 8, 2 * warps)
+    return NormLaunch(rows=rows, num_warps=_pow2_floor(warps))
+
+
+def norm_programs() -> int:
+    """Programs of the backward (weight-gradient) kernels: a few per compute unit."""
+    if "programs" in _norm_override:
+        return _norm_override["programs"]
+    if vendor() == "cpu":
+        return 4
+    sms = getattr(jax.devices()[0], "core_count", None) or 132
+    return 4 * int(sms)
+
+
+@contextlib.contextmanager
+def norm_launch_override(fwd: NormLaunch, bwd: NormLaunch, programs: int):
+    """Benchmark hook: trace the norm kernels with these launch parameters inside the block."""
+    saved = dict(_norm_override)
+    _norm_override.update(fwd=fwd, bwd=bwd, programs=programs)
+    try:
+        yield
+    finally:
+        _norm_override.clear()
+        _norm_override.update(saved)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(1, int(n)).bit_length() - 1)

@@ -1,0 +1,197 @@
+"""CCA flash attention (Pallas) against the jnp reference: interpret mode on the CPU, compiled with `-m gpu`."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import _attention_blocks as blocks_lib
+from pallas_kernels import cca_attention as pk
+from zaya_jax.ops import attention as ops
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.all(np.isfinite(a)), "kernel produced non-finite values"
+    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+def _qkv(seed, B, T, S, H, KV, d, dtype):
+    k = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(k[0], (B, T, H, d)).astype(dtype)
+    kk = jax.random.normal(k[1], (B, S, KV, d)).astype(dtype)
+    v = jax.random.normal(k[2], (B, S, KV, d)).astype(dtype)
+    do = jax.random.normal(k[3], (B, T, H, d)).astype(dtype)
+    return q, kk, v, do
+
+
+def _fwd_bwd(fn, q, k, v, do, kw):
+    """(o, dq, dk, dv); the keyword arguments (masks, window) are closed over as constants."""
+    @jax.jit
+    def run(q, k, v, do):
+        o, pull = jax.vjp(lambda q, k, v: fn(q, k, v, **kw), q, k, v)
+        return (o, *pull(do))
+    return run(q, k, v, do)
+
+
+def _check(q, k, v, do, dtype, **kw):
+    got = _fwd_bwd(pk.attention, q, k, v, do, kw)
+    want = _fwd_bwd(ops.attention_reference, q, k, v, do, kw)
+    for name, a, b in zip(("o", "dq", "dk", "dv"), got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, b.shape, a.dtype, b.dtype)
+        err = rel_err(a, b)
+        assert err <= TOL[dtype], f"{name}: relative error {err:.2e} > {TOL[dtype]:.0e} ({kw.keys()})"
+
+
+# T = 45 is a multiple of no block; 8 query heads on 2 KV heads as in ZAYA1.
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_causal_gqa(dtype):
+    q, k, v, do = _qkv(0, 2, 45, 45, 8, 2, 32, dtype)
+    _check(q, k, v, do, dtype)
+
+
+def test_odd_head_dim_group_of_three_and_mqa():
+    q, k, v, do = _qkv(1, 1, 40, 40, 6, 2, 24, jnp.float32)  # d=24 padded to 32, 3 query heads per KV head
+    _check(q, k, v, do, jnp.float32)
+    q, k, v, do = _qkv(2, 1, 40, 40, 3, 1, 16, jnp.float32)  # multi-query
+    _check(q, k, v, do, jnp.float32, scale=0.3)
+
+
+def test_sliding_window_segments_and_padding():
+    B, T = 2, 48
+    q, k, v, do = _qkv(3, B, T, T, 4, 2, 16, jnp.float32)
+    seg = jnp.array([[0] * 20 + [1] * 28, [0] * 7 + [1] * 30 + [2] * 11], jnp.int32)
+    valid = jnp.ones((B, T), bool).at[1, 40:].set(False)  # right padding in the second row
+    _check(q, k, v, do, jnp.float32, sliding_window=9)
+    _check(q, k, v, do, jnp.float32, sliding_window=jnp.int32(13))  # traced window: per-layer windows in a scan
+    _check(q, k, v, do, jnp.float32, q_segment_ids=seg, kv_valid=valid)
+
+
+def test_zigzag_positions_and_chunk_of_queries():
+    """A context-parallel rank: its queries are two non-adjacent chunks of a sequence of 64, keys are all 64."""
+    S, C = 64, 16
+    q, k, v, do = _qkv(4, 1, 2 * C, S, 4, 2, 16, jnp.float32)
+    q_pos = jnp.concatenate([jnp.arange(C, 2 * C), jnp.arange(S - 2 * C, S - C)])[None]
+    _check(q, k, v, do, jnp.float32, q_positions=q_pos, kv_positions=jnp.arange(S)[None])
+
+
+def test_lse_matches_reference_and_is_differentiable():
+    q, k, v, do = _qkv(5, 1, 33, 33, 4, 2, 16, jnp.float32)
+    w = jax.random.normal(jax.random.key(9), (1, 4, 33))
+
+    def loss(fn):
+        def f(q, k, v):
+            o, lse = fn(q, k, v)
+            return jnp.sum(o * do) + jnp.sum(lse * w)
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(q, k, v)
+
+    o, lse = jax.jit(pk.attention_with_lse)(q, k, v)
+    ref_o, ref_lse = ops.attention_reference(q, k, v, return_lse=True)
+    assert rel_err(lse, ref_lse) <= 1e-5 and rel_err(o, ref_o) <= 1e-5
+    got = loss(pk.attention_with_lse)
+    want = loss(lambda q, k, v: ops.attention_reference(q, k, v, return_lse=True))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert rel_err(a, b) <= 1e-5
+
+
+def test_context_parallel_merge_of_two_kv_chunks():
+    """Attention over [chunk0 | chunk1] of keys equals the lse-weighted merge of the two partial attentions."""
+    S = 40
+    q, k, v, do = _qkv(6, 1, S, S, 4, 2, 16, jnp.float32)
+    pos = jnp.arange(S)[None]
+
+    def merged(q, k, v):
+        parts = [pk.attention_with_lse(q, k[:, sl], v[:, sl], q_positions=pos, kv_positions=pos[:, sl])
+                 for sl in (slice(0, 24), slice(24, S))]
+        lse = jnp.logaddexp(parts[0][1], parts[1][1])  # -inf for queries that see nothing in a chunk
+        weight = [jnp.exp(p[1] - lse).transpose(0, 2, 1)[..., None] for p in parts]
+        return sum(w * p[0] for w, p in zip(weight, parts))
+
+    got = _fwd_bwd(lambda q, k, v: merged(q, k, v), q, k, v, do, {})
+    want = _fwd_bwd(ops.attention_reference, q, k, v, do, {})
+    for a, b in zip(got, want):
+        assert rel_err(a, b) <= 1e-5
+
+
+def test_query_that_sees_no_key_gets_zero_and_finite_gradients():
+    q, k, v, do = _qkv(7, 1, 16, 16, 2, 1, 16, jnp.float32)
+    valid = jnp.ones((1, 16), bool).at[0, :4].set(False)  # left padding: queries 0..3 see no key
+    o, lse = pk.attention_with_lse(q, k, v, kv_valid=valid)
+    assert np.all(np.asarray(o[0, :4]) == 0) and np.all(np.isneginf(np.asarray(lse[0, :, :4])))
+    # The reference averages over all keys for such a query; with no cotangent there the gradients must agree.
+    do = do.at[:, :4].set(0.0)
+    grads = _fwd_bwd(pk.attention, q, k, v, do, dict(kv_valid=valid))
+    ref = _fwd_bwd(ops.attention_reference, q, k, v, do, dict(kv_valid=valid))
+    assert rel_err(grads[0][:, 4:], ref[0][:, 4:]) <= 1e-5
+    for g, r in zip(grads[1:], ref[1:]):
+        assert rel_err(g, r) <= 1e-5
+
+
+def test_loop_ranges_cover_every_visible_pair():
+    """Per-block loop ranges never skip a visible (query, key) pair and only skip masks on fully visible blocks."""
+    rng = np.random.default_rng(0)
+    B, T, S, bq, bk = 2, 64, 96, 16, 32
+    q_pos = np.sort(rng.integers(0, 120, (B, T)), axis=1).astype(np.int32)
+    kv_pos = np.where(rng.random((B, S)) < 0.9, np.arange(S), blocks_lib.KV_PAD_POSITION).astype(np.int32)
+    q_seg = (q_pos // 50).astype(np.int32)
+    kv_seg = (np.arange(S)[None].repeat(B, 0) // 50).astype(np.int32)
+    for window in (None, 20):
+        vis = ops.attention_mask(jnp.asarray(q_pos), jnp.asarray(kv_pos), q_segment_ids=jnp.asarray(q_seg),
+                                 kv_segment_ids=jnp.asarray(kv_seg), sliding_window=window)
+        vis = np.asarray(vis) & (kv_pos != blocks_lib.KV_PAD_POSITION)[:, None, :]
+        for per_kv in (False, True):
+            rg = blocks_lib.ranges(q_pos, kv_pos, q_seg, kv_seg, window, bq, bk, per_kv_block=per_kv, static=True)
+            dyn = blocks_lib.ranges(jnp.asarray(q_pos), jnp.asarray(kv_pos), jnp.asarray(q_seg),
+                                    jnp.asarray(kv_seg), window, bq, bk, per_kv_block=per_kv, static=False)
+            np.testing.assert_array_equal(np.asarray(rg), np.asarray(dyn))
+            blk = vis.reshape(B, T // bq, bq, S // bk, bk).transpose(0, 1, 3, 2, 4)
+            any_vis, all_vis = blk.any(axis=(3, 4)), blk.all(axis=(3, 4))
+            if per_kv:
+                any_vis, all_vis = any_vis.transpose(0, 2, 1), all_vis.transpose(0, 2, 1)
+            for b in range(B):
+                for i, (lo, u0, u1, hi) in enumerate(np.asarray(rg[b])):
+                    assert lo <= u0 <= u1 <= hi
+                    visited = np.zeros(any_vis.shape[-1], bool)
+                    visited[lo:hi] = True
+                    assert not np.any(any_vis[b, i] & ~visited), (b, i, window, per_kv)
+                    assert np.all(all_vis[b, i, u0:u1]), (b, i, window, per_kv)
+
+
+def test_dispatch_through_ops():
+    q, k, v, _ = _qkv(8, 1, 20, 20, 4, 2, 16, jnp.float32)
+    assert rel_err(ops.attention(q, k, v, impl="pallas"), ops.attention(q, k, v)) <= 1e-5
+    o, lse = ops.attention_with_lse(q, k, v, impl="pallas")
+    ref_o, ref_lse = ops.attention_with_lse(q, k, v)
+    assert rel_err(o, ref_o) <= 1e-5 and rel_err(lse, ref_lse) <= 1e-5
+
+
+# ------------------------------------------------------------------------------------------- compiled (GPU)
+def _upcast_reference(q, k, v, do, kw):
+    f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
+    return _fwd_bwd(ops.attention_reference, *f32, kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1024, 4096])
+def test_gpu_attention_at_zaya_shapes(T):
+    q, k, v, do = _qkv(10, 2, T, T, 8, 2, 128, jnp.bfloat16)
+    got = _fwd_bwd(pk.attention, q, k, v, do, {})
+    for name, a, b in zip(("o", "dq", "dk", "dv"), got, _upcast_reference(q, k, v, do, {})):
+        err = rel_err(a, b)
+        assert err <= 1e-2, f"{name}: {err:.2e}"
+
+
+@pytest.mark.gpu
+def test_gpu_attention_masks_and_positions():
+    B, T = 2, 1000  # ragged length: padded inside the wrapper
+    q, k, v, do = _qkv(11, B, T, T, 8, 2, 128, jnp.bfloat16)
+    seg = jnp.repeat(jnp.arange(4, dtype=jnp.int32), 250)[None].repeat(B, 0)
+    valid = jnp.ones((B, T), bool).at[1, 900:].set(False)
+    pos = jnp.arange(T, dtype=jnp.int32)[None].repeat(B, 0)
+    for kw in (dict(sliding_window=256), dict(q_segment_ids=seg, kv_valid=valid, q_positions=pos, kv_positions=pos)):
+        got = _fwd_bwd(pk.attention, q, k, v, do, kw)
+        for name, a, b in zip(("o", "dq", "dk", "dv"), got, _upcast_reference(q, k, v, do, kw)):
+            err = rel_err(a, b)
+            assert err <= 1e-2, f"{name} {sorted(kw)}: {err:.2e}"

@@ -1,0 +1,134 @@
+"""Pallas norm kernels against the jnp references: interpret mode on the CPU, compiled kernels with `-m gpu`."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import _norm_kernels as kern
+from pallas_kernels import rmsnorm as pk
+from pallas_kernels._platform import NormLaunch
+from zaya_jax.ops import rmsnorm as ops
+
+EPS = 1e-5
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.all(np.isfinite(a)), "kernel produced non-finite values"
+    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+def _inputs(seed, n, d, dtype):
+    k = jax.random.split(jax.random.key(seed), 10)
+    x = (3.0 * jax.random.normal(k[0], (n, d)) + 0.5).astype(dtype)
+    vecs = [1.0 + 0.2 * jax.random.normal(k[1 + i], (d,)) for i in range(6)]
+    return k, x, vecs
+
+
+def _assert_close(got, want, dtype, what):
+    for i, (a, b) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want))):
+        assert a.shape == b.shape and a.dtype == b.dtype, (what, i, a.shape, b.shape, a.dtype, b.dtype)
+        err = rel_err(a, b)
+        assert err <= TOL[dtype], f"{what}[{i}]: relative error {err:.2e} > {TOL[dtype]:.0e}"
+
+
+# (rows, D): D not a power of two and rows not a multiple of the row tile; a 3-D [B, T, D] input.
+SHAPES = [(13, 200), (2, 5, 64)]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rms_norm_forward_backward(shape, dtype):
+    k, _, (w, *_) = _inputs(0, 1, shape[-1], dtype)
+    x = (2.0 * jax.random.normal(k[7], shape) + 0.3).astype(dtype)
+    ct = jax.random.normal(k[8], shape).astype(dtype)
+
+    def vjp(fn):
+        y, pull = jax.vjp(lambda x, w: fn(x, w, EPS, dtype), x, w)
+        return y, pull(ct)
+
+    _assert_close(vjp(pk.rms_norm), vjp(ops.rms_norm_reference), dtype, "rms_norm")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_layer_norm_forward_backward(dtype):
+    k, x, (w, b, *_) = _inputs(1, 13, 200, dtype)
+    ct = jax.random.normal(k[8], x.shape).astype(dtype)
+
+    def vjp(fn):
+        y, pull = jax.vjp(lambda x, w, b: fn(x, w, b, EPS, dtype), x, w, b)
+        return y, pull(ct)
+
+    _assert_close(vjp(pk.layer_norm), vjp(ops.layer_norm_reference), dtype, "layer_norm")
+
+
+@pytest.mark.parametrize("branch_dtype", [jnp.float32, jnp.bfloat16])
+def test_merge_rms_norm_forward_backward(branch_dtype):
+    """The fused residual merge + RMSNorm: h is fp32, y in the compute dtype; all seven inputs get gradients."""
+    k, _, (hs, hb, rs, rb, w, _) = _inputs(2, 1, 200, jnp.float32)
+    hb, rb = 0.1 * hb, 0.1 * rb
+    branch = jax.random.normal(k[7], (3, 5, 200)).astype(branch_dtype)
+    residual = 4.0 * jax.random.normal(k[8], (3, 5, 200))
+    dh = jax.random.normal(k[9], residual.shape)
+    dy = jax.random.normal(k[0], residual.shape).astype(branch_dtype)
+
+    def vjp(fn):
+        out, pull = jax.vjp(lambda *a: fn(*a, EPS, branch_dtype), branch, residual, hs, hb, rs, rb, w)
+        return out, pull((dh, dy))
+
+    _assert_close(vjp(pk.merge_rms_norm), vjp(ops.merge_rms_norm_reference), branch_dtype, "merge_rms_norm")
+
+
+def test_backward_row_loop_and_partials():
+    """Several programs, each looping over several row tiles with a ragged last one, still sum dw exactly."""
+    k, x, (w, *_) = _inputs(3, 37, 96, jnp.float32)
+    dy = jax.random.normal(k[8], x.shape)
+    launch = NormLaunch(rows=2, num_warps=1)
+    y, rstd = kern.rms_forward(x, w, eps=EPS, out_dtype=jnp.float32, launch=launch)
+    dx, dw = kern.rms_backward(x, dy, rstd, w, launch=launch, programs=3)
+    ref_y, pull = jax.vjp(lambda x, w: ops.rms_norm_reference(x, w, EPS), x, w)
+    _assert_close((y, dx, dw), (ref_y, *pull(dy)), jnp.float32, "rms_norm rows loop")
+    np.testing.assert_allclose(rstd, jax.lax.rsqrt(jnp.mean(x * x, -1) + EPS), rtol=1e-6)
+
+
+def test_dispatch_through_ops():
+    _, x, (w, b, *_) = _inputs(4, 6, 32, jnp.float32)
+    _assert_close(ops.rms_norm(x, w, EPS, impl="pallas"), ops.rms_norm(x, w, EPS), jnp.float32, "ops.rms_norm")
+    _assert_close(ops.layer_norm(x, w, b, EPS, impl="pallas"), ops.layer_norm(x, w, b, EPS), jnp.float32,
+                  "ops.layer_norm")
+    with pytest.raises(ValueError):
+        ops.layer_norm(x, w, b, EPS, impl="nope")
+
+
+# ------------------------------------------------------------------------------------------- compiled (GPU)
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [8192, 16384 + 3])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_gpu_norms_at_zaya_shapes(rows, dtype):
+    d = 2048
+    k, _, (hs, hb, rs, rb, w, b) = _inputs(5, 1, d, jnp.float32)
+    branch = jax.random.normal(k[7], (rows, d)).astype(dtype)
+    residual = 4.0 * jax.random.normal(k[8], (rows, d))
+    dh = jax.random.normal(k[9], residual.shape)
+    dy = jax.random.normal(k[0], residual.shape).astype(dtype)
+
+    def merge_vjp(fn):
+        out, pull = jax.vjp(lambda *a: fn(*a, EPS, dtype), branch, residual, hs, hb, rs, rb, w)
+        return out, pull((dh, dy))
+
+    def rms_vjp(fn):
+        y, pull = jax.vjp(lambda x, w: fn(x, w, EPS, dtype), residual, w)
+        return y, pull(dy)
+
+    def ln_vjp(fn):
+        y, pull = jax.vjp(lambda x, w, b: fn(x, w, b, EPS, dtype), residual, w, b)
+        return y, pull(dy)
+
+    _assert_close(jax.jit(merge_vjp, static_argnums=0)(pk.merge_rms_norm),
+                  jax.jit(merge_vjp, static_argnums=0)(ops.merge_rms_norm_reference), dtype, "gpu merge")
+    _assert_close(jax.jit(rms_vjp, static_argnums=0)(pk.rms_norm),
+                  jax.jit(rms_vjp, static_argnums=0)(ops.rms_norm_reference), dtype, "gpu rms")
+    _assert_close(jax.jit(ln_vjp, static_argnums=0)(pk.layer_norm),
+                  jax.jit(ln_vjp, static_argnums=0)(ops.layer_norm_reference), dtype, "gpu layer_norm")
