@@ -1,0 +1,55 @@
+"""python -m launch.convert_hf : Hugging Face ZAYA checkpoints in and out of zaya-jax.
+
+  python -m launch.convert_hf HF_DIR --check               load, print parameter counts and a logits checksum
+  python -m launch.convert_hf HF_DIR --roundtrip OUT_DIR   load and export again as a HF directory
+  python -m launch.convert_hf --count zaya1_8b             parameter counts of a preset (nothing allocated)
+"""
+
+import argparse
+import sys
+
+import jax.numpy as jnp
+
+from zaya_jax.checkpoint.errors import ZayaCheckpointError
+from zaya_jax.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, from_hf, stored_dtype, to_hf
+from zaya_jax.checkpoint.hf_check import check_report
+from zaya_jax.config import PRESETS, preset
+from zaya_jax.param_count import abstract_param_counts, format_param_counts
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("hf_dir", nargs="?", help="HF ZAYA directory (config.json + safetensors)")
+    ap.add_argument("--check", action="store_true", help="print parameter counts and a logits checksum")
+    ap.add_argument("--roundtrip", metavar="OUT_DIR", help="export the loaded model to OUT_DIR")
+    ap.add_argument("--count", choices=sorted(PRESETS), help="print the parameter counts of a preset")
+    ap.add_argument("--dtype", default="float32", help="compute dtype for --check (float32 | bfloat16)")
+    ap.add_argument("--save-dtype", default=None, help="dtype of the exported tensors (default: the dtype "
+                    "HF_DIR's config.json declares, else as loaded)")
+    ap.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES)
+    ap.add_argument("--overwrite", action="store_true", help="replace weights already in OUT_DIR")
+    args = ap.parse_args(argv)
+
+    if args.count:
+        print(f"{args.count}: {format_param_counts(abstract_param_counts(preset(args.count)))}")
+    if args.hf_dir is None:
+        if not args.count:
+            ap.error("give HF_DIR (with --check and/or --roundtrip) or --count PRESET")
+        return
+    if not (args.check or args.roundtrip):
+        ap.error("HF_DIR needs --check and/or --roundtrip OUT_DIR")
+    try:
+        model = from_hf(args.hf_dir, dtype=jnp.dtype(args.dtype))
+        if args.check:
+            print(check_report(model))
+        if args.roundtrip:
+            save_dtype = args.save_dtype or stored_dtype(args.hf_dir)
+            out = to_hf(model, args.roundtrip, dtype=save_dtype and jnp.dtype(save_dtype),
+                        max_shard_bytes=args.max_shard_bytes, overwrite=args.overwrite)
+            print(f"exported to {out}")
+    except ZayaCheckpointError as e:
+        sys.exit(f"convert_hf: {e}")
+
+
+if __name__ == "__main__":
+    main()
