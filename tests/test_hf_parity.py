@@ -3,10 +3,13 @@
 One reference process builds every config with random non-default values in all parameters and balancing biases,
 saves it with save_pretrained and writes logits, loss and per-parameter gradients for an unpadded and a
 left-padded batch. We load the saved directory with zaya_jax.from_hf and must match:
-  logits  max|ours - ref| / max|ref| over real (non-pad) positions  <= 2e-4
+  logits  max|ours - ref| / max|ref| over real (non-pad) positions  <= 2e-5
   loss    relative error                                             <= 1e-5
-  grads   ||ours - ref|| / ||ref|| for EVERY parameter tensor         <= 1e-3
+  grads   ||ours - ref|| / ||ref|| for EVERY parameter tensor         <= 2e-4
   routing tokens per router class per layer identical (the skip class is selected for some tokens).
+Measured: logits <= 6e-7, loss <= 1.3e-7, grads <= 1e-5. The bounds are 10x tighter than the project's
+2e-4 / 1e-3 ceilings because a real bug can hide under those: computing the router GELU with the tanh
+approximation instead of erf moves logits by only 5.6e-5 and the worst gradient by 1.0e-3.
 Real positions never hold token 0, so HF's padding_idx (which blocks row 0's lookup gradient) cannot matter;
 pad positions carry label -100 and provably contribute nothing to the gradients on either side.
 """
@@ -24,7 +27,7 @@ from hf_reference.jax_side import max_rel, norm_rel, run_case
 
 pytestmark = [pytest.mark.hf, requires_reference]
 
-LOGITS_TOL, LOSS_TOL, GRAD_TOL = 2e-4, 1e-5, 1e-3
+LOGITS_TOL, LOSS_TOL, GRAD_TOL = 2e-5, 1e-5, 2e-4
 
 
 @pytest.fixture(scope="module")
