@@ -21,19 +21,14 @@ from pallas_kernels import _bench as bench  # noqa: E402
 from pallas_kernels import _platform  # noqa: E402
 from pallas_kernels._platform import NormLaunch  # noqa: E402
 
-FWD_CFGS = [dict(fwd_q=128, fwd_k=64, fwd_warps=8, fwd_stages=3), dict(fwd_q=128, fwd_k=64, fwd_warps=8, fwd_stages=2),
-            dict(fwd_q=128, fwd_k=128, fwd_warps=8, fwd_stages=2), dict(fwd_q=64, fwd_k=64, fwd_warps=4, fwd_stages=3),
-            dict(fwd_q=64, fwd_k=128, fwd_warps=4, fwd_stages=2)]
-DQ_CFGS = [dict(dq_q=128, dq_k=64, dq_warps=8, dq_stages=2), dict(dq_q=128, dq_k=64, dq_warps=8, dq_stages=3),
-           dict(dq_q=64, dq_k=64, dq_warps=4, dq_stages=3), dict(dq_q=128, dq_k=32, dq_warps=8, dq_stages=3)]
-DKV_CFGS = [dict(dkv_q=32, dkv_k=128, dkv_warps=8, dkv_stages=2), dict(dkv_q=32, dkv_k=128, dkv_warps=8, dkv_stages=3),
-            dict(dkv_q=16, dkv_k=128, dkv_warps=8, dkv_stages=3), dict(dkv_q=64, dkv_k=64, dkv_warps=8, dkv_stages=2)]
-NORM_FWD = [NormLaunch(1, 4), NormLaunch(1, 8), NormLaunch(2, 8), NormLaunch(4, 16), NormLaunch(1, 16)]
-
-
-def _norm_bwd_launches(sms: int):
-    return [(NormLaunch(1, 8), 4 * sms), (NormLaunch(1, 16), sms), (NormLaunch(1, 16), 4 * sms),
-            (NormLaunch(2, 16), 2 * sms), (NormLaunch(1, 4), 8 * sms)]
+FWD_CFGS = [dict(fwd_q=128, fwd_k=64, fwd_warps=8, fwd_stages=3), dict(fwd_q=128, fwd_k=128, fwd_warps=8, fwd_stages=2)]
+DQ_CFGS = [dict(dq_q=128, dq_k=64, dq_warps=8, dq_stages=3), dict(dq_q=128, dq_k=64, dq_warps=8, dq_stages=2)]
+DKV_CFGS = [dict(dkv_q=32, dkv_k=128, dkv_warps=8, dkv_stages=3, dkv_split=0),
+            dict(dkv_q=32, dkv_k=128, dkv_warps=8, dkv_stages=3, dkv_split=1),
+            dict(dkv_q=16, dkv_k=128, dkv_warps=8, dkv_stages=3, dkv_split=0),
+            dict(dkv_q=32, dkv_k=128, dkv_warps=8, dkv_stages=2, dkv_split=0)]
+NORM_FWD = [NormLaunch(1, 8, 4), NormLaunch(1, 16, 2), NormLaunch(2, 16, 2), NormLaunch(1, 8, 8)]
+NORM_BWD = [NormLaunch(1, 16, 1), NormLaunch(1, 16, 2), NormLaunch(1, 8, 4)]
 
 
 def main():
@@ -61,14 +56,12 @@ def main():
     norm_tuning = contextlib.nullcontext()
     if not args.no_sweep:
         print("sweeps", flush=True)
-        sms = report["device"]["core_count"] or 132
         rows = 4096 if args.quick else 16384
-        table, best_fwd, (best_bwd, best_programs) = bench.sweep_norm_launch(rows, d_model, NORM_FWD,
-                                                                             _norm_bwd_launches(sms))
+        table, best_fwd, best_bwd = bench.sweep_norm_launch(rows, d_model, NORM_FWD, NORM_BWD)
         report["sweep_norm"] = dict(table, rows=rows, d=d_model, best_fwd=dataclasses.asdict(best_fwd),
-                                    best_bwd=dict(dataclasses.asdict(best_bwd), programs=best_programs))
-        print(f"  norm best fwd {best_fwd}, bwd {best_bwd} x{best_programs} programs", flush=True)
-        norm_tuning = _platform.norm_launch_override(best_fwd, best_bwd, best_programs)
+                                    best_bwd=dataclasses.asdict(best_bwd))
+        print(f"  norm best fwd {best_fwd}, bwd {best_bwd}", flush=True)
+        norm_tuning = _platform.norm_launch_override(best_fwd, best_bwd)
         B, T = (1, 1024) if args.quick else (4, 4096)
         results, attn_default = bench.sweep_attention_blocks(B, T, 8, 2, 128, FWD_CFGS, DQ_CFGS, DKV_CFGS,
                                                              attn_default)

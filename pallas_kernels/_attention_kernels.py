@@ -222,28 +222,52 @@ def _dkv_kernel(rng_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
+def dkv_split(heads: int, kv_heads: int, batch: int, n_kv_blocks: int, requested: int) -> int:
+    """Programs per KV head (each takes an equal share of its query heads). With few KV heads there are too few
+    (KV head, key block) programs to fill the GPU, and under causal masks the first key blocks carry most of the
+    work, so the query heads of a group are split over several programs whose partial dk/dv are then summed."""
+    groups = heads // kv_heads
+    if requested:
+        if groups % requested:
+            raise ValueError(f"dkv_split={requested} must divide the {groups} query heads per KV head")
+        return requested
+    want = 4 * _platform.compute_units()
+    return next((s for s in range(1, groups + 1) if groups % s == 0 and kv_heads * s * batch * n_kv_blocks >= want),
+                groups)
+
+
 def backward_dkv(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ranges, *, scale, blocks):
     B, Tp, H, dp = q.shape
     Sp, KV = k.shape[1], k.shape[2]
-    groups, bq, bk = H // KV, blocks.dkv_q, blocks.dkv_k
+    bq, bk = blocks.dkv_q, blocks.dkv_k
     nk = Sp // bk
+    split = dkv_split(H, KV, B, nk, blocks.dkv_split)
+    groups = H // KV // split  # query heads per program
     has_seg = q_seg is not None
-    # Key block j = program 2 ascending: the first key blocks see the most queries under causal masks.
-    group_spec = pl.BlockSpec((None, Tp, groups, dp), lambda h, b, j: (b, 0, h, 0))
-    rows_spec = pl.BlockSpec((None, groups, Tp), lambda h, b, j: (b, h, 0))
-    kv_spec = pl.BlockSpec((None, bk, None, dp), lambda h, b, j: (b, j, h, 0))
-    q_vec = pl.BlockSpec((None, Tp), lambda h, b, j: (b, 0))
-    kv_vec = pl.BlockSpec((None, bk), lambda h, b, j: (b, j))
+    # Program axis 0 = KV head * split + share; its query heads are share-block `g` of size `groups`.
+    # Key block j = program axis 2 ascending: the first key blocks see the most queries under causal masks.
+    group_spec = pl.BlockSpec((None, Tp, groups, dp), lambda g, b, j: (b, 0, g, 0))
+    rows_spec = pl.BlockSpec((None, groups, Tp), lambda g, b, j: (b, g, 0))
+    kv_spec = pl.BlockSpec((None, bk, None, dp), lambda g, b, j: (b, j, lax.div(g, split), 0))
+    out_spec = pl.BlockSpec((None, bk, None, dp), lambda g, b, j: (b, j, g, 0))
+    q_vec = pl.BlockSpec((None, Tp), lambda g, b, j: (b, 0))
+    kv_vec = pl.BlockSpec((None, bk), lambda g, b, j: (b, j))
     opt_specs, opt_arrays = _optional_inputs(q_vec, kv_vec, q_seg, kv_seg, window)
-    in_specs = [pl.BlockSpec((None, None, 4), lambda h, b, j: (b, j, 0)), group_spec, kv_spec, kv_spec, group_spec,
+    in_specs = [pl.BlockSpec((None, None, 4), lambda g, b, j: (b, j, 0)), group_spec, kv_spec, kv_spec, group_spec,
                 rows_spec, rows_spec, q_vec, kv_vec] + opt_specs
-    return pl.pallas_call(
+    out_dtype = k.dtype if split == 1 else F32  # partial sums stay fp32 until they are added
+    out_shape = jax.ShapeDtypeStruct((B, Sp, KV * split, dp), out_dtype)
+    dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, c=scale * LOG2E, scale=scale, block_q=bq, groups=groups, has_seg=has_seg,
                           has_window=window is not None),
-        grid=(KV, B, nk),
+        grid=(KV * split, B, nk),
         in_specs=in_specs,
-        out_specs=[kv_spec, kv_spec],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        out_specs=[out_spec, out_spec],
+        out_shape=[out_shape, out_shape],
         compiler_params=_platform.compiler_params(blocks.dkv_warps, blocks.dkv_stages),
         interpret=_platform.interpret(), name="cca_attention_dkv",
     )(ranges, q, k, v, do, lse2, delta, q_pos, kv_pos, *opt_arrays)
+    if split > 1:
+        dk = dk.reshape(B, Sp, KV, split, dp).sum(axis=3)
+        dv = dv.reshape(B, Sp, KV, split, dp).sum(axis=3)
+    return dk.astype(k.dtype), dv.astype(v.dtype)

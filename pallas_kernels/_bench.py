@@ -125,23 +125,22 @@ def bench_norms(shapes, copy_tbps: float):
 def sweep_norm_launch(rows: int, d: int, fwd_launches, bwd_launches):
     """Times the fused merge kernels alone under each launch; returns the timings and the fastest of each."""
     p = _norm_problem(rows, d)
-    hs, hb, rs, rb, w = p["vecs"][:5]
-    _, _, rstd = norm_kern.merge_forward(p["branch"], p["residual"], hs, hb, rs, rb, w, eps=EPS, out_dtype=BF16)
+    _, _, rstd = norm_kern.merge_forward(p["branch"], p["residual"], *p["vecs"][:5], eps=EPS, out_dtype=BF16)
     fwd_t, bwd_t = {}, {}
     for launch in fwd_launches:
         fn = jax.jit(lambda p, L=launch: norm_kern.merge_forward(p["branch"], p["residual"], *p["vecs"][:5],
                                                                  eps=EPS, out_dtype=BF16, launch=L))
         fwd_t[launch] = time_call(fn, p)
-    for launch, programs in bwd_launches:
-        fn = jax.jit(lambda p, rstd, L=launch, P=programs: norm_kern.merge_backward(
-            p["branch"], p["residual"], p["dh"], p["dy"], rstd, *p["vecs"][:5], launch=L, programs=P))
-        bwd_t[(launch, programs)] = time_call(fn, p, rstd)
+    for launch in bwd_launches:
+        fn = jax.jit(lambda p, rstd, L=launch: norm_kern.merge_backward(
+            p["branch"], p["residual"], p["dh"], p["dy"], rstd, *p["vecs"][:5], launch=L))
+        bwd_t[launch] = time_call(fn, p, rstd)
     fwd_bytes, bwd_bytes = rows * d * 12, rows * d * 18
-    table = dict(fwd=[dict(rows_per_program=L.rows, num_warps=L.num_warps, ms=t * 1e3,
-                           tbps=fwd_bytes / t / 1e12) for L, t in fwd_t.items()],
-                 bwd=[dict(rows_per_program=L.rows, num_warps=L.num_warps, programs=P, ms=t * 1e3,
-                           tbps=bwd_bytes / t / 1e12) for (L, P), t in bwd_t.items()])
-    return table, min(fwd_t, key=fwd_t.get), min(bwd_t, key=bwd_t.get)
+
+    def table(timings, nbytes):
+        return [dict(dataclasses.asdict(L), ms=t * 1e3, tbps=nbytes / t / 1e12) for L, t in timings.items()]
+    return (dict(fwd=table(fwd_t, fwd_bytes), bwd=table(bwd_t, bwd_bytes)), min(fwd_t, key=fwd_t.get),
+            min(bwd_t, key=bwd_t.get))
 
 
 # ------------------------------------------------------------------------------------------------ attention

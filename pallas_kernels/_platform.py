@@ -46,11 +46,12 @@ class AttentionBlocks:
     dq_q: int = 128
     dq_k: int = 64
     dq_warps: int = 8
-    dq_stages: int = 2
+    dq_stages: int = 3
     dkv_q: int = 32
     dkv_k: int = 128
     dkv_warps: int = 8
-    dkv_stages: int = 2
+    dkv_stages: int = 3
+    dkv_split: int = 0  # programs per KV head in dk/dv (0: enough to fill the GPU, see backward_dkv)
 
     def clipped(self, q_len: int, kv_len: int) -> "AttentionBlocks":
         """Shrinks tiles for short sequences (never below 16, the smallest Triton dot)."""
@@ -81,46 +82,48 @@ def attention_blocks(head_dim: int) -> AttentionBlocks:
 
 @dataclasses.dataclass(frozen=True)
 class NormLaunch:
-    """Rows per program and warps for the row-wise norm kernels over a padded row of `block_d` columns."""
+    """Launch of a row-wise norm kernel: each of `programs_per_cu` x (compute units) programs walks a contiguous
+    range of rows, `rows` rows (a [rows, block_d] tile) per loop step, with `num_warps` warps."""
     rows: int
     num_warps: int
+    programs_per_cu: int = 4
     num_stages: int = 1
 
 
-_norm_override: dict[str, object] = {}
+_norm_override: dict[str, NormLaunch] = {}
 
 
 def norm_launch(block_d: int, phase: str = "fwd") -> NormLaunch:
-    """Whole rows per program (~2048 elements), ~8 fp32 values of each row tensor per lane in the forward.
+    """Defaults: one row of up to 2048 columns per step, ~4-8 fp32 values of a row per lane.
 
-    The backward keeps four [D] fp32 partial sums live across its row loop, so it gets twice the lanes (half the
-    registers per lane) to stay under the register budget.
+    The [D] parameter vectors (and, in the backward, the [D] partial sums) stay in registers for the whole row
+    loop, so wide rows get more lanes rather than more registers per lane.
     """
     if phase in _norm_override:
         return _norm_override[phase]
     rows = max(1, min(4, 2048 // block_d))
     lanes = 64 if vendor() == "rocm" else 32
-    warps = max(1, min(8, rows * block_d // (8 * lanes)))
-    if phase == "bwd":
-        warps = min(16 if lanes == 32 else 8, 2 * warps)
+    per_lane = 8 if phase == "fwd" else 4
+    warps = max(1, min(16 if lanes == 32 else 8, rows * block_d // (per_lane * lanes)))
     return NormLaunch(rows=rows, num_warps=_pow2_floor(warps))
 
 
-def norm_programs() -> int:
-    """Programs of the backward (weight-gradient) kernels: a few per compute unit."""
-    if "programs" in _norm_override:
-        return _norm_override["programs"]
+def compute_units() -> int:
+    """SMs (CUDA) or CUs (ROCm) of the first device; a nominal 132 where the backend does not say."""
+    return int(getattr(jax.devices()[0], "core_count", None) or 132)
+
+
+def norm_programs(launch: NormLaunch) -> int:
     if vendor() == "cpu":
         return 4
-    sms = getattr(jax.devices()[0], "core_count", None) or 132
-    return 4 * int(sms)
+    return launch.programs_per_cu * compute_units()
 
 
 @contextlib.contextmanager
-def norm_launch_override(fwd: NormLaunch, bwd: NormLaunch, programs: int):
+def norm_launch_override(fwd: NormLaunch, bwd: NormLaunch):
     """Benchmark hook: trace the norm kernels with these launch parameters inside the block."""
     saved = dict(_norm_override)
-    _norm_override.update(fwd=fwd, bwd=bwd, programs=programs)
+    _norm_override.update(fwd=fwd, bwd=bwd)
     try:
         yield
     finally:

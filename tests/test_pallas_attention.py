@@ -1,11 +1,15 @@
 """CCA flash attention (Pallas) against the jnp reference: interpret mode on the CPU, compiled with `-m gpu`."""
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels import _attention_blocks as blocks_lib
+from pallas_kernels import _platform
 from pallas_kernels import cca_attention as pk
 from zaya_jax.ops import attention as ops
 
@@ -36,8 +40,8 @@ def _fwd_bwd(fn, q, k, v, do, kw):
     return run(q, k, v, do)
 
 
-def _check(q, k, v, do, dtype, **kw):
-    got = _fwd_bwd(pk.attention, q, k, v, do, kw)
+def _check(q, k, v, do, dtype, blocks=None, **kw):
+    got = _fwd_bwd(functools.partial(pk.attention, blocks=blocks), q, k, v, do, kw)
     want = _fwd_bwd(ops.attention_reference, q, k, v, do, kw)
     for name, a, b in zip(("o", "dq", "dk", "dv"), got, want):
         assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, b.shape, a.dtype, b.dtype)
@@ -45,11 +49,13 @@ def _check(q, k, v, do, dtype, **kw):
         assert err <= TOL[dtype], f"{name}: relative error {err:.2e} > {TOL[dtype]:.0e} ({kw.keys()})"
 
 
-# T = 45 is a multiple of no block; 8 query heads on 2 KV heads as in ZAYA1.
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_causal_gqa(dtype):
+# T = 45 is a multiple of no block; 8 query heads on 2 KV heads as in ZAYA1. dk/dv with the 4 query heads of
+# a KV head in 1, 2 or 4 programs (partial sums added afterwards).
+@pytest.mark.parametrize("dtype,dkv_split", [(jnp.float32, 1), (jnp.float32, 2), (jnp.bfloat16, 4)])
+def test_causal_gqa(dtype, dkv_split):
     q, k, v, do = _qkv(0, 2, 45, 45, 8, 2, 32, dtype)
-    _check(q, k, v, do, dtype)
+    blocks = dataclasses.replace(_platform.attention_blocks(32), dkv_split=dkv_split)
+    _check(q, k, v, do, dtype, blocks=blocks)
 
 
 def test_odd_head_dim_group_of_three_and_mqa():

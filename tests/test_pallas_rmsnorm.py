@@ -1,5 +1,7 @@
 """Pallas norm kernels against the jnp references: interpret mode on the CPU, compiled kernels with `-m gpu`."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -86,7 +88,7 @@ def test_backward_row_loop_and_partials():
     k, x, (w, *_) = _inputs(3, 37, 96, jnp.float32)
     dy = jax.random.normal(k[8], x.shape)
     launch = NormLaunch(rows=2, num_warps=1)
-    y, rstd = kern.rms_forward(x, w, eps=EPS, out_dtype=jnp.float32, launch=launch)
+    y, rstd = kern.rms_forward(x, w, eps=EPS, out_dtype=jnp.float32, launch=launch, programs=5)
     dx, dw = kern.rms_backward(x, dy, rstd, w, launch=launch, programs=3)
     ref_y, pull = jax.vjp(lambda x, w: ops.rms_norm_reference(x, w, EPS), x, w)
     _assert_close((y, dx, dw), (ref_y, *pull(dy)), jnp.float32, "rms_norm rows loop")
@@ -108,27 +110,33 @@ def test_dispatch_through_ops():
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_gpu_norms_at_zaya_shapes(rows, dtype):
     d = 2048
-    k, _, (hs, hb, rs, rb, w, b) = _inputs(5, 1, d, jnp.float32)
+    k, _, vecs = _inputs(5, 1, d, jnp.float32)
     branch = jax.random.normal(k[7], (rows, d)).astype(dtype)
     residual = 4.0 * jax.random.normal(k[8], (rows, d))
     dh = jax.random.normal(k[9], residual.shape)
     dy = jax.random.normal(k[0], residual.shape).astype(dtype)
+    hs, hb, rs, rb, w, b = vecs
 
-    def merge_vjp(fn):
-        out, pull = jax.vjp(lambda *a: fn(*a, EPS, dtype), branch, residual, hs, hb, rs, rb, w)
+    # Arrays travel as arguments: closed-over device arrays would be baked into the program as constants.
+    @functools.partial(jax.jit, static_argnums=0)
+    def merge_vjp(fn, branch, residual, dh, dy, vecs):
+        out, pull = jax.vjp(lambda *a: fn(*a, EPS, dtype), branch, residual, *vecs)
         return out, pull((dh, dy))
 
-    def rms_vjp(fn):
-        y, pull = jax.vjp(lambda x, w: fn(x, w, EPS, dtype), residual, w)
+    @functools.partial(jax.jit, static_argnums=0)
+    def rms_vjp(fn, x, dy, w):
+        y, pull = jax.vjp(lambda x, w: fn(x, w, EPS, dtype), x, w)
         return y, pull(dy)
 
-    def ln_vjp(fn):
-        y, pull = jax.vjp(lambda x, w, b: fn(x, w, b, EPS, dtype), residual, w, b)
+    @functools.partial(jax.jit, static_argnums=0)
+    def ln_vjp(fn, x, dy, w, b):
+        y, pull = jax.vjp(lambda x, w, b: fn(x, w, b, EPS, dtype), x, w, b)
         return y, pull(dy)
 
-    _assert_close(jax.jit(merge_vjp, static_argnums=0)(pk.merge_rms_norm),
-                  jax.jit(merge_vjp, static_argnums=0)(ops.merge_rms_norm_reference), dtype, "gpu merge")
-    _assert_close(jax.jit(rms_vjp, static_argnums=0)(pk.rms_norm),
-                  jax.jit(rms_vjp, static_argnums=0)(ops.rms_norm_reference), dtype, "gpu rms")
-    _assert_close(jax.jit(ln_vjp, static_argnums=0)(pk.layer_norm),
-                  jax.jit(ln_vjp, static_argnums=0)(ops.layer_norm_reference), dtype, "gpu layer_norm")
+    merge_args = (branch, residual, dh, dy, (hs, hb, rs, rb, w))
+    _assert_close(merge_vjp(pk.merge_rms_norm, *merge_args), merge_vjp(ops.merge_rms_norm_reference, *merge_args),
+                  dtype, "gpu merge")
+    _assert_close(rms_vjp(pk.rms_norm, residual, dy, w), rms_vjp(ops.rms_norm_reference, residual, dy, w), dtype,
+                  "gpu rms")
+    _assert_close(ln_vjp(pk.layer_norm, residual, dy, w, b), ln_vjp(ops.layer_norm_reference, residual, dy, w, b),
+                  dtype, "gpu layer_norm")
