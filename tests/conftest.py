@@ -11,6 +11,9 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+# Tests compile the same small programs many times (every trainer run builds fresh closures): cache them.
+jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.dirname(__file__), "..", ".jax_cache"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,37 @@
+"""Default run: the tiny model on the built-in corpus (Python's own docs as 'web', its stdlib as 'code'), CPU,
+a few minutes on 2 cores. python -m launch.train --config configs/default.py --workdir runs/default"""
+
+from ml_collections import ConfigDict
+
+
+def get_config() -> ConfigDict:
+    c = ConfigDict()
+    c.seed = 0
+    c.model = ConfigDict(dict(preset="tiny", overrides=ConfigDict(dict(dtype="float32"))))
+    c.data = ConfigDict(dict(
+        tokenizer="byte",  # 'byte' or a tokenizer.json path
+        builtin=True,  # use the built-in corpus (no download); else `sources` maps names to indexed prefixes
+        sources=ConfigDict(),
+        valid_sources=ConfigDict(),
+        weights=ConfigDict(dict(web=0.5, code=0.5)),
+        seq_len=256,
+        reset_at_documents=False,  # Megatron default: attention and positions run across document boundaries
+        prefetch=4,
+    ))
+    c.train = ConfigDict(dict(
+        steps=300,
+        # tokens per optimizer step = global_batch_tokens; split into microbatches of microbatch_tokens
+        global_batch_tokens=16 * 256,
+        microbatch_tokens=16 * 256,
+        batch_ramp=ConfigDict(dict(start_tokens=0, ramp_tokens=0)),  # tokens seen over which the batch ramps up
+        log_every=10,
+        eval_every=100,
+        eval_batches=4,
+        checkpoint_every=100,
+        keep_checkpoints=2,
+    ))
+    c.optim = ConfigDict(dict(learning_rate=3e-3, schedule="wsd", warmup_steps=30, total_steps=300,
+                              decay_fraction=0.3, weight_decay=0.0, clip_norm=1.0))
+    c.balancing = ConfigDict(dict(learning_rate=1e-3))
+    c.mesh = ConfigDict(dict(data=-1, context=1, num_devices=0))  # num_devices 0 = all
+    return c

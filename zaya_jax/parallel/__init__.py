@@ -1,0 +1,1 @@
+"""Meshes, sharding rules and multi-process start-up."""

@@ -1,0 +1,198 @@
+"""The trainer: mesh -> model + params -> optimizer -> data -> checkpoint manager (restores when a checkpoint
+exists) -> loop of the jitted train step with evaluation and checkpoint cadences."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+from ml_collections import ConfigDict
+
+from zaya_jax.checkpoint.manager import CheckpointManager, abstract_like
+from zaya_jax.config import ModelConfig, preset
+from zaya_jax.data import builtin_corpus, load_tokenizer, train_iterator
+from zaya_jax.model import ZayaForCausalLM
+from zaya_jax.model.base import BalancingBias
+from zaya_jax.model_info import describe
+from zaya_jax.optim.balancing import BalancerConfig, init_balancer
+from zaya_jax.optim.optimizer import OptimizerConfig, build_optimizer, learning_rates
+from zaya_jax.parallel.distributed import maybe_initialize
+from zaya_jax.parallel.mesh import describe_mesh, make_mesh
+from zaya_jax.train.evaluate import Evaluator
+from zaya_jax.train.flops import flops_per_token
+from zaya_jax.train.metrics import MetricsWriter, Throughput
+from zaya_jax.train.step import make_train_step
+
+# Dense bf16 peak FLOP/s per device kind, for MFU (vendor figures; override with train.peak_tflops).
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "MI300X": 1307.4, "MI325X": 1307.4, "MI355X": 2516.6, "A100": 312.0}
+
+
+class TrainConfigError(ValueError):
+    pass
+
+
+@dataclasses.dataclass
+class Plan:
+    """Sizes derived from the config, validated once."""
+
+    model: ModelConfig
+    seq_len: int
+    micro_rows: int  # sequences per microbatch, global
+    accumulation: int  # microbatches per optimizer step
+    steps: int  # optimizer steps
+
+
+def make_plan(config: ConfigDict) -> Plan:
+    cfg = preset(config.model.preset, **dict(config.model.get("overrides", {})))
+    t, seq = config.train, config.data.seq_len
+    for name in ("global_batch_tokens", "microbatch_tokens"):
+        if t[name] % seq:
+            raise TrainConfigError(f"train.{name}={t[name]} is not a multiple of data.seq_len={seq}")
+    if t.global_batch_tokens % t.microbatch_tokens:
+        raise TrainConfigError(f"train.global_batch_tokens={t.global_batch_tokens} is not a multiple of "
+                               f"train.microbatch_tokens={t.microbatch_tokens}")
+    return Plan(cfg, seq, t.microbatch_tokens // seq, t.global_batch_tokens // t.microbatch_tokens, t.steps)
+
+
+def init_state(cfg: ModelConfig, tx, seed: int, sharding):
+    """Parameters, model state and optimizer state, created directly with their shardings (no host copy)."""
+    abstract = nnx.eval_shape(lambda: ZayaForCausalLM(cfg, seed=seed))
+    graphdef, _, _ = nnx.split(abstract, nnx.Param, BalancingBias)
+
+    def create():
+        _, params, model_state = nnx.split(ZayaForCausalLM(cfg, seed=seed), nnx.Param, BalancingBias)
+        params, model_state = nnx.to_pure_dict(params), nnx.to_pure_dict(model_state)
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params),
+                "model_state": model_state, "balancer": init_balancer(cfg.num_hidden_layers, cfg.num_experts)}
+
+    shapes = jax.eval_shape(create)
+    state = jax.jit(create, out_shardings=jax.tree.map(lambda _: sharding, shapes))()
+    return graphdef, state
+
+
+def run(config: ConfigDict, workdir: str, *, log=print) -> dict:
+    maybe_initialize()
+    os.makedirs(workdir, exist_ok=True)
+    plan = make_plan(config)
+    cfg = plan.model
+    mesh = make_mesh(**config.mesh)
+    lead = jax.process_index() == 0
+    log = log if lead else (lambda *_: None)
+    log(describe(cfg))
+    log(describe_mesh(mesh))
+
+    tok = load_tokenizer(config.data.tokenizer)
+    if tok.vocab_size > cfg.vocab_size:
+        raise TrainConfigError(f"tokenizer has {tok.vocab_size} ids but the model's vocab_size is {cfg.vocab_size}")
+    if config.data.builtin:
+        corpus = builtin_corpus(tok)
+        train_sources, valid_sources = corpus.train, corpus.valid
+    else:
+        train_sources, valid_sources = dict(config.data.sources), dict(config.data.valid_sources)
+    weights = dict(config.data.weights)
+
+    ocfg = OptimizerConfig(**{**dict(config.optim), "accumulation_steps": plan.accumulation})
+    tx = build_optimizer(ocfg, None, log=None)
+    replicated = NamedSharding(mesh, P())
+    graphdef, state = init_state(cfg, tx, config.seed, replicated)
+    if lead:
+        from zaya_jax.optim.optimizer import partition_table
+        log(partition_table(state["params"], ocfg, tx))
+
+    meta = {"model": cfg.to_hf_dict(), "seq_len": plan.seq_len}
+    ckpt = CheckpointManager(os.path.join(workdir, "checkpoints"),
+                             save_interval_steps=config.train.checkpoint_every,
+                             max_to_keep=config.train.keep_checkpoints)
+    data_state, start = None, 0
+    if ckpt.latest_step() is not None:
+        restored = ckpt.restore(abstract_like(state), expect_meta=meta)
+        state, data_state, start = restored.state, restored.data, restored.step
+        log(f"resumed from {ckpt.directory} step {start}")
+
+    batch_sharding = NamedSharding(mesh, P("data"))
+    if plan.micro_rows % mesh.shape["data"]:
+        raise TrainConfigError(f"microbatch of {plan.micro_rows} sequences does not split over data={mesh.shape['data']}")
+    it = train_iterator(train_sources, weights, seq_len=plan.seq_len, global_batch=plan.micro_rows,
+                        seed=config.seed, rank=jax.process_index(), num_ranks=jax.process_count(), state=data_state,
+                        prefetch=config.data.prefetch, vocab_size=cfg.vocab_size)
+    reset = bool(config.data.reset_at_documents)
+    step_fn = jax.jit(make_train_step(graphdef, tx, BalancerConfig(**dict(config.balancing)),
+                                      reset_at_documents=reset), donate_argnums=0)
+    evaluator = Evaluator(graphdef, valid_sources, seq_len=plan.seq_len, rows=plan.micro_rows, mesh=mesh,
+                          max_batches=config.train.eval_batches, reset_at_documents=reset)
+    writer = MetricsWriter(workdir, enabled=lead)
+    peak = _peak_flops(config)
+    flops_tok = flops_per_token(cfg, plan.seq_len)
+    tokens_per_micro = plan.micro_rows * plan.seq_len
+    meter, last = Throughput(), {}
+    progress = _progress(start, plan.steps, lead)
+    sums, micro_count = {}, 0
+    for step in range(start, plan.steps):
+        for _ in range(plan.accumulation):
+            batch = {k: jax.make_array_from_process_local_data(batch_sharding, v) for k, v in next(it).items()}
+            state, m = step_fn(state, batch)
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + v
+            micro_count += 1
+            meter.add(tokens_per_micro)
+        done = step + 1
+        if done == start + 1:
+            jax.block_until_ready(state)
+            meter.start()  # exclude compilation from throughput
+        if done % config.train.log_every == 0 or done == plan.steps:
+            last = {k: float(v) / micro_count for k, v in sums.items()}
+            sums, micro_count = {}, 0
+            tps = meter.rate()
+            last["tokens_per_s"] = tps
+            if peak:
+                last["mfu"] = tps * flops_tok / (peak * jax.device_count())
+            last.update({f"lr_{k}": float(v) for k, v in learning_rates(state["opt_state"]).items()})
+            writer.write(done, last)
+            progress(done, last)
+        if config.train.eval_every and (done % config.train.eval_every == 0 or done == plan.steps):
+            ev = evaluator(state["params"], state["model_state"])
+            writer.write(done, ev)
+            log(f"eval @ {done}: " + " ".join(f"{k}={v:.4f}" for k, v in ev.items()))
+            last.update(ev)
+        if done % config.train.checkpoint_every == 0 or done == plan.steps:
+            ckpt.save(done, state, data=it.state(), meta=meta, force=done == plan.steps)
+    it.close()
+    ckpt.close()
+    writer.close()
+    return last
+
+
+def _peak_flops(config) -> float | None:
+    if config.train.get("peak_tflops"):
+        return float(config.train.peak_tflops) * 1e12
+    kind = jax.devices()[0].device_kind
+    for name, tf in PEAK_TFLOPS.items():
+        if name.lower() in kind.lower():
+            return tf * 1e12
+    return None
+
+
+def _progress(start: int, total: int, enabled: bool):
+    if not enabled:
+        return lambda *_: None
+    from tqdm import tqdm
+    bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, mininterval=1.0)
+    t0 = [time.perf_counter(), start]
+
+    def update(done, m):
+        bar.update(done - t0[1])
+        t0[1] = done
+        shown = {"loss": f"{m['loss']:.4f}", "tok/s": f"{m['tokens_per_s']:.0f}"}
+        if "mfu" in m:
+            shown["mfu"] = f"{100 * m['mfu']:.1f}%"
+        bar.set_postfix(shown)
+        if done == total:
+            bar.close()
+
+    return update

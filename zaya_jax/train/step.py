@@ -1,0 +1,91 @@
+"""The jitted training and evaluation steps (pure functions of the train state and a batch).
+
+One call = one microbatch: forward, next-token loss, backward, the optimizer (which accumulates micro-gradients
+and applies them every k calls when accumulation is on), and the balancing-bias controller, which runs once per
+microbatch on the expert counts of the whole data-parallel batch (global under jit), outside autodiff.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from zaya_jax.model.loss import token_cross_entropy_terms
+from zaya_jax.optim.balancing import BalancerConfig, update_biases
+
+BIASES_PATH = ("model", "layers", "mlp", "gate", "balancing_biases")
+
+
+def get_biases(model_state):
+    node = model_state
+    for k in BIASES_PATH:
+        node = node[k]
+    return node
+
+
+def with_biases(model_state, biases):
+    def rebuild(node, keys):
+        if not keys:
+            return biases
+        return {**node, keys[0]: rebuild(node[keys[0]], keys[1:])}
+    return rebuild(model_state, BIASES_PATH)
+
+
+def model_inputs(batch: dict, reset_at_documents: bool) -> dict:
+    if not reset_at_documents:
+        return {}
+    return {"positions": batch["positions"], "segment_ids": batch["segment_ids"]}
+
+
+def loss_mask(batch: dict, reset_at_documents: bool):
+    """Which targets count: all of them, Megatron's default, or (with document resets) not the first token of the
+    next document; padding rows of eval batches (source_id -1) never count."""
+    mask = batch["loss_mask"] if reset_at_documents else jnp.ones_like(batch["loss_mask"])
+    return mask * (batch["source_ids"][:, None] >= 0)
+
+
+def make_loss_fn(graphdef, reset_at_documents: bool):
+    def loss_fn(params, model_state, batch):
+        model = nnx.merge(graphdef, params, model_state)
+        logits, aux = model.forward(batch["inputs"], **model_inputs(batch, reset_at_documents))
+        terms, counted = token_cross_entropy_terms(logits, batch["targets"], loss_mask(batch, reset_at_documents))
+        loss = terms.sum() / jnp.maximum(counted.sum(), 1.0)
+        return loss, aux.expert_counts
+    return loss_fn
+
+
+def make_train_step(graphdef, tx: optax.GradientTransformation, balancer: BalancerConfig, *,
+                    reset_at_documents: bool = False):
+    loss_fn = make_loss_fn(graphdef, reset_at_documents)
+
+    def train_step(state: dict[str, Any], batch: dict[str, jax.Array]):
+        (loss, counts), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], state["model_state"],
+                                                                          batch)
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        biases, balancer_state, load = update_biases(get_biases(state["model_state"]), state["balancer"], counts,
+                                                     balancer)
+        new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state,
+                     "model_state": with_biases(state["model_state"], biases), "balancer": balancer_state}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "max_load": jnp.max(load.max_load),
+                   "min_load": jnp.min(load.min_load), "skip_fraction": jnp.max(load.skip_fraction)}
+        return new_state, metrics
+
+    return train_step
+
+
+def make_eval_step(graphdef, num_sources: int, *, reset_at_documents: bool = False):
+    """Summed loss and token count per source (rows with source_id -1 are padding)."""
+
+    def eval_step(params, model_state, batch):
+        model = nnx.merge(graphdef, params, model_state)
+        logits, _ = model.forward(batch["inputs"], **model_inputs(batch, reset_at_documents))
+        terms, counted = token_cross_entropy_terms(logits, batch["targets"], loss_mask(batch, reset_at_documents))
+        onehot = jax.nn.one_hot(batch["source_ids"], num_sources, dtype=jnp.float32)  # -1 -> zero row
+        return onehot.T @ terms.sum(-1), onehot.T @ counted.sum(-1)
+
+    return eval_step
