@@ -1,0 +1,135 @@
+"""The symmetric Gram kernel: equals X Xᵀ (interpret mode on the CPU; compiled on a GPU), only upper-triangle
+tiles are launched, the output is exactly symmetric, and Newton-Schulz / Muon give the same result through it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.symmetric_matmul import (GramTiling, num_upper_tiles, symmetric_gram, symmetric_square,
+                                             upper_tile_coords)
+from zaya_jax.ops.newton_schulz import gram_reference, newton_schulz
+from zaya_jax.optim.muon import muon
+
+SMALL = GramTiling(tile=32, tile_k=16, num_warps=4, num_stages=1)  # several tiles on CPU-sized inputs
+
+
+def fresh(shape, dtype=jnp.float32):
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, np.float32), dtype), seed
+
+
+def gram_float64(x):
+    x = np.asarray(x, np.float64)
+    return np.einsum("...ik,...jk->...ij", x, x)
+
+
+def rel(a, ref):
+    return np.linalg.norm(np.asarray(a, np.float64) - ref) / np.linalg.norm(ref)
+
+
+def test_tile_enumeration_covers_the_upper_triangle_once():
+    coords = jax.jit(jax.vmap(upper_tile_coords))
+    for rows in (1, 2, 7, 64):
+        r, c = coords(jnp.arange(num_upper_tiles(rows)))
+        pairs = set(zip(r.tolist(), c.tolist()))
+        assert pairs == {(i, j) for j in range(rows) for i in range(j + 1)}
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (100, 70), (3, 50, 200), (2, 2, 33, 17), (16, 300)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_gram_equals_x_xt_fp32(shape):
+    x, seed = fresh(shape)
+    got = symmetric_gram(x, tiling=SMALL, interpret=True)
+    assert got.shape == shape[:-1] + (shape[-2],) and got.dtype == jnp.float32
+    assert rel(got, gram_float64(x)) <= 1e-6, f"seed {seed}"
+    np.testing.assert_array_equal(got, jnp.swapaxes(got, -1, -2))  # mirrored tiles: exactly symmetric
+
+
+@pytest.mark.parametrize("shape", [(96, 160), (2, 72, 40)], ids=lambda s: "x".join(map(str, s)))
+def test_gram_bf16_io_fp32_accumulation(shape):
+    x, seed = fresh(shape, jnp.bfloat16)
+    got = symmetric_gram(x, tiling=SMALL, interpret=True)
+    assert got.dtype == jnp.bfloat16
+    ref = gram_float64(x)  # of the bf16 inputs, exactly
+    # fp32 accumulation leaves only the final bf16 rounding: <= 2^-9 relative per element.
+    assert np.max(np.abs(np.asarray(got, np.float64) - ref) / (np.abs(ref) + 1e-3)) <= 2**-8, f"seed {seed}"
+
+
+def test_full_grid_baseline_equals_x_xt():
+    """upper_only=False (every tile computed, nothing mirrored) is the benchmark's plain-GEMM baseline."""
+    x, seed = fresh((2, 100, 70))
+    full = GramTiling(tile=32, tile_k=16, num_warps=4, num_stages=1, upper_only=False)
+    assert rel(symmetric_gram(x, tiling=full, interpret=True), gram_float64(x)) <= 1e-6, f"seed {seed}"
+
+
+def test_only_upper_triangle_programs_are_launched():
+    x, _ = fresh((2, 100, 70))
+    jaxpr = jax.make_jaxpr(lambda x: symmetric_gram(x, tiling=SMALL, interpret=True))(x)
+
+    def grids(jaxpr):  # pallas_call grids anywhere in the program (it sits inside the jit of symmetric_gram)
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                yield eqn.params["grid_mapping"].grid
+                continue
+            for value in eqn.params.values():
+                inner = getattr(value, "jaxpr", value)  # ClosedJaxpr -> Jaxpr
+                if hasattr(inner, "eqns"):
+                    yield from grids(inner)
+
+    # 100 rows pad to 4 tiles of 32: 10 upper-triangle tiles (of 16) per matrix, 2 matrices.
+    assert list(grids(jaxpr.jaxpr)) == [(10, 2)]
+
+
+def test_symmetric_square_equals_a_times_a():
+    x, seed = fresh((2, 80, 80))
+    a = x + jnp.swapaxes(x, -1, -2)
+    ref = np.einsum("bij,bjk->bik", np.asarray(a, np.float64), np.asarray(a, np.float64))
+    assert rel(symmetric_square(a, tiling=SMALL, interpret=True), ref) <= 1e-6, f"seed {seed}"
+    with pytest.raises(ValueError, match="square"):
+        symmetric_square(x[:, :, :40])
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_newton_schulz_through_the_kernel_equals_xla(dtype, tol):
+    x, seed = fresh((2, 48, 96))
+    via_xla = newton_schulz(x, dtype=dtype)
+    via_kernel = newton_schulz(x, dtype=dtype, gram_impl="pallas")  # interpret mode on the CPU
+    assert rel(via_kernel, np.asarray(via_xla, np.float64)) <= tol, f"seed {seed}"
+
+
+def test_muon_with_the_kernel_equals_muon_with_xla():
+    params = {"w": fresh((2, 40, 64))[0]}
+    grads = {"w": fresh((2, 40, 64))[0]}
+    updates = {}
+    for impl in ("xla", "pallas"):
+        tx = muon(0.1, weight_decay=0.1, ns_dtype="float32", gram_impl=impl)
+        updates[impl], _ = tx.update(grads, tx.init(params), params)
+    np.testing.assert_allclose(updates["pallas"]["w"], updates["xla"]["w"], rtol=1e-4, atol=1e-6)
+
+
+# ---- compiled Triton kernel (run with ZAYA_TEST_GPU=1 -m gpu on a GPU) ----------------------------------------
+
+GPU_SHAPES = [(2048, 2048), (2048, 4096), (1024, 2048), (3, 384, 200)]  # X [.., m, k] as NS sees them
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
+def test_compiled_kernel_equals_xla_on_gpu(shape, dtype):
+    x, seed = fresh(shape, dtype)
+    got = symmetric_gram(x)
+    want = gram_reference(x)
+    ref = gram_float64(x)
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    assert rel(got, ref) <= tol, f"kernel rel err {rel(got, ref):.2e} (seed {seed})"
+    assert rel(got, ref) <= 1.5 * rel(want, ref) + 1e-6, "kernel worse than XLA"
+    np.testing.assert_array_equal(got, jnp.swapaxes(got, -1, -2))
+
+
+@pytest.mark.gpu
+def test_compiled_newton_schulz_equals_xla_on_gpu():
+    x, seed = fresh((4, 1024, 2048))
+    via_kernel = jax.jit(lambda x: newton_schulz(x, gram_impl="pallas"))(x)
+    via_xla = jax.jit(lambda x: newton_schulz(x))(x)
+    assert rel(via_kernel, np.asarray(via_xla, np.float64)) <= 2e-2, f"seed {seed}"

@@ -1,0 +1,77 @@
+"""Newton-Schulz orthogonalisation, the core of Muon: the pure-jnp reference and the dispatch of its two
+symmetric products to the Pallas kernel.
+
+For each matrix X (m x n, leading dims are batch dims, every matrix is handled on its own):
+    X0 = X / (||X||_F + eps)                                  (fp32, then cast to the iteration dtype)
+    repeat `steps` times:  A = X Xᵀ;  B = b A + c A·A;  X = a X + B X
+with (a, b, c) = (3.4445, -4.7750, 2.0315). If m > n the iteration runs on Xᵀ so that the Gram matrix A is the
+small side (min(m, n)²) and the result is transposed back. The quintic does not converge to U Vᵀ exactly: it maps
+each singular value s of X0 through the same scalar polynomial; after 5 steps every s >= 2e-3 lands in
+[0.68, 1.21].
+
+Precision: products accumulate in fp32 and are stored in the iteration dtype (bf16 by default), the linear
+combinations are formed in fp32 and stored in the iteration dtype. The Pallas path changes only the fp32
+summation order of A and A·A.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+QUINTIC_COEFFS = (3.4445, -4.7750, 2.0315)
+GRAM_IMPLS = ("xla", "pallas")
+
+
+def _precision(dtype):
+    # fp32 iterations must not silently run in TF32 on GPUs.
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def gram_reference(x):
+    """X Xᵀ over the last two dims, fp32 accumulation, stored in x.dtype."""
+    return jnp.einsum("...ik,...jk->...ij", x, x, precision=_precision(x.dtype),
+                      preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def gram(x, impl: str = "xla", tiling=None):
+    """X Xᵀ by `impl`; `tiling` (a pallas_kernels.symmetric_matmul.GramTiling) tunes the Pallas kernel."""
+    if impl == "xla":
+        return gram_reference(x)
+    if impl == "pallas":
+        from pallas_kernels import symmetric_matmul
+        return symmetric_matmul.symmetric_gram(x, tiling=tiling)
+    raise ValueError(f"gram: unknown impl {impl!r}; use one of {GRAM_IMPLS}")
+
+
+def newton_schulz_step(x, coeffs=QUINTIC_COEFFS, gram_impl: str = "xla", tiling=None):
+    """One quintic step on x [..., m, n] with m <= n (the Gram side), in x.dtype."""
+    a, b, c = coeffs
+    f32 = jnp.float32
+    A = gram(x, gram_impl, tiling)
+    AA = gram(A, gram_impl, tiling)  # A is symmetric, so A·A = A Aᵀ
+    B = (b * A.astype(f32) + c * AA.astype(f32)).astype(x.dtype)
+    BX = jnp.einsum("...ij,...jn->...in", B, x, precision=_precision(x.dtype), preferred_element_type=f32)
+    return (a * x.astype(f32) + BX).astype(x.dtype)
+
+
+def newton_schulz(x, *, steps: int = 5, coeffs=QUINTIC_COEFFS, dtype=jnp.bfloat16, eps: float = 1e-7,
+                  gram_impl: str = "xla", tiling=None):
+    """Orthogonalise every matrix of x [..., m, n]; returns [..., m, n] in `dtype`."""
+    if x.ndim < 2:
+        raise ValueError(f"newton_schulz needs matrices (ndim >= 2), got shape {x.shape}")
+    if not isinstance(steps, int):
+        raise TypeError(f"newton_schulz: steps must be a Python int (the loop is unrolled), got {type(steps)}")
+    transpose = x.shape[-2] > x.shape[-1]
+    if transpose:
+        x = jnp.swapaxes(x, -1, -2)
+    xf = x.astype(jnp.float32)
+    norm = jnp.sqrt(jnp.sum(xf * xf, axis=(-2, -1), keepdims=True))
+    x = (xf / (norm + eps)).astype(dtype)
+    for _ in range(steps):
+        x = newton_schulz_step(x, coeffs, gram_impl, tiling)
+    return jnp.swapaxes(x, -1, -2) if transpose else x
+
+
+__all__ = ["QUINTIC_COEFFS", "GRAM_IMPLS", "gram", "gram_reference", "newton_schulz", "newton_schulz_step"]
