@@ -44,9 +44,10 @@ class CCAProjection(nnx.Module):
         self.conv_qk_depthwise = _Conv(init(rngs.params(), (C, 1, cfg.cca_time0), pdt), jnp.zeros((C,), pdt))
         self.conv_qk_grouped = _Conv(init(rngs.params(), (C, d, cfg.cca_time1), pdt), jnp.zeros((C,), pdt))
 
-    def __call__(self, x, *, conv_mask=None, state: CCAState | None = None):
+    def __call__(self, x, *, conv_mask=None, state: CCAState | None = None, segment_ids=None):
         """x: [B, T, D] (compute dtype). Returns q [B,T,H,d], k [B,T,KV,d], v [B,T,KV,d] and the CCAState at the
-        end of this chunk (for caches and context-parallel neighbours)."""
+        end of this chunk (for caches and context-parallel neighbours). With segment_ids [B, T] (packed documents
+        with resets) every document starts as a sequence does: zero conv halo, zero delayed-value input."""
         cfg = self.cfg
         B, T, _ = x.shape
         H, KV, d, g = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.num_kv_groups
@@ -64,7 +65,7 @@ class CCAProjection(nnx.Module):
         P = cfg.conv_halo
         prefix = jnp.zeros((B, P, qk.shape[-1]), dt) if state is None or state.conv is None else state.conv.astype(dt)
         qk_padded = jnp.concatenate([prefix, qk], axis=1)
-        z = self._convolve(qk_padded)
+        z = self._convolve(qk_padded, _same_segment(segment_ids, P))
         q = z[..., : H * d].reshape(B, T, H, d) + q_res
         k = z[..., H * d:].reshape(B, T, KV, d) + k_res
 
@@ -75,32 +76,55 @@ class CCAProjection(nnx.Module):
         else:
             v0 = state.value[:, None].astype(dt)
         v_prev = jnp.concatenate([v0, v_del[:, :-1]], axis=1)
+        if segment_ids is not None:
+            starts = jnp.concatenate([jnp.zeros_like(segment_ids[:, :1], bool),
+                                      segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+            v_zero = self.v_proj_delayed(jnp.zeros((B, 1, x.shape[-1]), dt))
+            v_prev = jnp.where(starts[..., None], v_zero, v_prev)
         v = jnp.concatenate([v_cur, v_prev], axis=-1).reshape(B, T, KV, d)
         new_state = CCAState(conv=qk_padded[:, -P:] if P else qk_padded[:, :0], value=v_del[:, -1])
         return q, k, v, new_state
 
-    def _convolve(self, xp):
+    def _convolve(self, xp, same_segment=None):
         """Depthwise then grouped causal (valid) cross-correlation over time; xp carries the P-column halo, so at
-        a sequence start the grouped conv sees the depthwise bias (not zero) at t = -1, as in the reference."""
+        a sequence start the grouped conv sees the depthwise bias (not zero) at t = -1, as in the reference.
+
+        Output t reads raw column t - s through offset s = (t1-1-j) + (t0-1-i) (grouped tap j, depthwise tap i);
+        same_segment[s] [B, T] zeroes the columns of an earlier document (None: no resets)."""
         cfg = self.cfg
-        t0, t1 = cfg.cca_time0, cfg.cca_time1
+        t0, t1, P = cfg.cca_time0, cfg.cca_time1, cfg.conv_halo
         B, Tp, C = xp.shape
+        T = Tp - P
         dt = xp.dtype
         w1 = self.conv_qk_depthwise.weight[...].astype(jnp.float32)[:, 0, :]  # [C, t0]
-        n1 = Tp - t0 + 1
-        y = self.conv_qk_depthwise.bias[...].astype(jnp.float32)
-        xf = xp.astype(jnp.float32)
-        for j in range(t0):
-            y = y + xf[:, j:j + n1] * w1[:, j]
-        y = y.astype(dt)
+        b1 = self.conv_qk_depthwise.bias[...].astype(jnp.float32)
         G, d = C // cfg.head_dim, cfg.head_dim
         w2 = self.conv_qk_grouped.weight[...].astype(dt).reshape(G, d, d, t1)  # [group, out, in, tap]
-        yg = y.reshape(B, n1, G, d)
-        n2 = n1 - t1 + 1
+        xf = xp.astype(jnp.float32)
         z = self.conv_qk_grouped.bias[...].astype(jnp.float32).reshape(G, d)
-        for j in range(t1):
-            z = z + jnp.einsum("btgi,goi->btgo", yg[:, j:j + n2], w2[..., j], preferred_element_type=jnp.float32)
-        return z.reshape(B, n2, C).astype(dt)
+        for j in range(t1):  # the depthwise output the grouped tap j reads, as seen from each output t
+            y = b1
+            for i in range(t0):
+                s = (t1 - 1 - j) + (t0 - 1 - i)
+                col = xf[:, P - s:P - s + T]
+                if same_segment is not None and s:
+                    col = col * same_segment[s][..., None]
+                y = y + col * w1[:, i]
+            y = y.astype(dt).reshape(B, T, G, d)
+            z = z + jnp.einsum("btgi,goi->btgo", y, w2[..., j], preferred_element_type=jnp.float32)
+        return z.reshape(B, T, C).astype(dt)
+
+
+def _same_segment(segment_ids, P: int):
+    """{s: [B, T] float, 1 where position t - s is in t's document} for s = 1..P (positions before the chunk
+    count as the same document: their state comes from a cache or a context-parallel neighbour)."""
+    if segment_ids is None:
+        return None
+    out = {}
+    for s in range(1, P + 1):
+        prev = jnp.concatenate([segment_ids[:, :1].repeat(s, axis=1), segment_ids[:, :-s]], axis=1)
+        out[s] = (prev == segment_ids).astype(jnp.float32)
+    return out
 
 
 class _Conv(nnx.Module):
@@ -155,17 +179,17 @@ class CCAttention(nnx.Module):
         self.o_proj = Linear(cfg, H * d, D, bias=cfg.attention_bias, rngs=rngs)
 
     def __call__(self, x, *, positions, inv_freq, sliding_window=None, attention_mask=None, state=None,
-                 attend=None):
-        """attend(q, k, v) -> o overrides the attention call (caches and context parallelism plug in here)."""
+                 attend=None, segment_ids=None):
+        """positions: RoPE positions [B, T]; causal order is the row index. attend(q, k, v) -> o overrides the
+        attention call (caches and context parallelism plug in here)."""
         B, T, _ = x.shape
-        q, k, v, new_state = self.qkv_proj(x, conv_mask=attention_mask, state=state)
+        q, k, v, new_state = self.qkv_proj(x, conv_mask=attention_mask, state=state, segment_ids=segment_ids)
         q, k = self.qk_norm(q, k)
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
         if attend is None:
-            o = attention_ops.attention(q, k, v, impl=self.cfg.attention_impl, q_positions=positions,
-                                        kv_positions=positions, kv_valid=attention_mask,
-                                        sliding_window=sliding_window)
+            o = attention_ops.attention(q, k, v, impl=self.cfg.attention_impl, kv_valid=attention_mask,
+                                        q_segment_ids=segment_ids, sliding_window=sliding_window)
         else:
             o = attend(q, k, v)
         return self.o_proj(o.reshape(B, T, -1)), new_state

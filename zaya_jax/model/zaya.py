@@ -74,8 +74,11 @@ class ZayaModel(nnx.Module):
                                  for t in cfg.layer_types], jnp.int32)
         return state_scale, inv_freq, windows
 
-    def __call__(self, input_ids, attention_mask=None, positions=None):
-        """Returns (final normed hidden states [B,T,D] in the compute dtype, ForwardAux)."""
+    def __call__(self, input_ids, attention_mask=None, positions=None, segment_ids=None):
+        """Returns (final normed hidden states [B,T,D] in the compute dtype, ForwardAux).
+
+        positions: RoPE positions (default 0..T-1); segment_ids: packed documents that must not see each other
+        (attention, convolutions and the value shift all restart at a document start)."""
         cfg = self.cfg
         dt = dtypes(cfg)[0]
         B, T = input_ids.shape
@@ -98,7 +101,8 @@ class ZayaModel(nnx.Module):
             else:
                 window_arg = uniform_window
             h, r, counts, _ = layer(h, r, state_scale=scale, positions=positions, inv_freq=freq,
-                                    sliding_window=window_arg, attention_mask=attention_mask)
+                                    sliding_window=window_arg, attention_mask=attention_mask,
+                                    segment_ids=segment_ids)
             return (h, r), counts
 
         if cfg.remat != "none":
@@ -135,12 +139,12 @@ class ZayaForCausalLM(nnx.Module):
         self.model = ZayaModel(cfg, rngs)
         self.lm_head = LMHead(cfg, rngs) if not cfg.tie_word_embeddings or cfg.lm_head_bias else None
 
-    def __call__(self, input_ids, attention_mask=None, positions=None):
-        return self.forward(input_ids, attention_mask, positions)[0]
+    def __call__(self, input_ids, attention_mask=None, positions=None, segment_ids=None):
+        return self.forward(input_ids, attention_mask, positions, segment_ids)[0]
 
-    def forward(self, input_ids, attention_mask=None, positions=None):
+    def forward(self, input_ids, attention_mask=None, positions=None, segment_ids=None):
         """Returns (fp32 logits, ForwardAux)."""
-        y, aux = self.model(input_ids, attention_mask, positions)
+        y, aux = self.model(input_ids, attention_mask, positions, segment_ids)
         return self.logits(y), aux
 
     def head_weight(self):
