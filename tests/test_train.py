@@ -71,3 +71,21 @@ def test_gradient_accumulation_equals_a_larger_batch(tmp_path):
     accumulated = final_params(microbatch_tokens=4 * 32)
     for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(accumulated)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
+
+
+def test_next_phase_starts_from_the_previous_weights_on_another_mesh(tmp_path):
+    import orbax.checkpoint as ocp
+    first = str(tmp_path / "phase_a")
+    run(small_config(steps=3), first, log=lambda *_: None)
+    c = small_config(steps=1, checkpoint_every=1)
+    c.train.init_from = first
+    c.mesh.num_devices = 2
+    c.model.overrides.rope = {"hybrid": {"theta": 1e6, "partial_rotary_factor": 0.5}}  # phase-3 style change
+    c.optim.learning_rate = 0.0  # so the saved weights must equal phase A's
+    second = str(tmp_path / "phase_b")
+    run(c, second, log=lambda *_: None)
+    read = lambda d, s: ocp.CheckpointManager(os.path.join(d, "checkpoints")).restore(  # noqa: E731
+        s, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
+    a, b = read(first, 3), read(second, 1)
+    for x, y in zip(jax.tree.leaves(a["params"]), jax.tree.leaves(b["params"])):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -82,6 +82,29 @@ class CheckpointManager:
         return Restored(step=step, state=r["state"], data=r["data"], meta=meta)
 
 
+def restore_subset(directory: str, abstract_subset: dict, *, step: int | None = None) -> tuple[int, dict]:
+    """Restores only the top-level entries of the saved `state` named in `abstract_subset` (e.g. params and
+    model_state from the previous training phase, whose optimizer differs); shapes are checked by name."""
+    mngr = ocp.CheckpointManager(os.path.abspath(directory), options=ocp.CheckpointManagerOptions(read_only=True))
+    step = mngr.latest_step() if step is None else step
+    if step is None:
+        raise CheckpointError(f"no finished checkpoint in {directory}")
+    saved = ocp.PyTreeCheckpointer().metadata(os.path.join(mngr.directory, str(step), "state")).item_metadata
+    for path, want in jax.tree_util.tree_flatten_with_path(abstract_subset)[0]:
+        node = saved
+        for k in path:
+            key = getattr(k, "key", getattr(k, "idx", None))
+            if key not in node:
+                raise CheckpointError(f"{directory} step {step} has no {jax.tree_util.keystr(path)}")
+            node = node[key]
+        if tuple(node.shape) != tuple(want.shape):
+            raise CheckpointError(f"{directory} step {step}: {jax.tree_util.keystr(path)} has shape "
+                                  f"{tuple(node.shape)}, this model expects {tuple(want.shape)}")
+    args = ocp.args.PyTreeRestore(item=abstract_subset, partial_restore=True,
+                                  restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_subset))
+    return step, mngr.restore(step, args=ocp.args.Composite(state=args))["state"]
+
+
 def abstract_like(tree, shardings=None):
     """ShapeDtypeStructs of `tree` carrying target shardings (default: the arrays' own)."""
     if shardings is None:

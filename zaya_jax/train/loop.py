@@ -9,19 +9,18 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import ConfigDict
 
-from zaya_jax.checkpoint.manager import CheckpointManager, abstract_like
+from zaya_jax.checkpoint.manager import CheckpointManager, abstract_like, restore_subset
 from zaya_jax.config import ModelConfig, preset
 from zaya_jax.data import builtin_corpus, load_tokenizer, train_iterator
 from zaya_jax.model import ZayaForCausalLM
 from zaya_jax.model.base import BalancingBias
 from zaya_jax.model_info import describe
 from zaya_jax.optim.balancing import BalancerConfig, init_balancer
-from zaya_jax.optim.optimizer import OptimizerConfig, build_optimizer, learning_rates
+from zaya_jax.optim.optimizer import OptimizerConfig, build_optimizer, learning_rates, partition_table
 from zaya_jax.parallel.distributed import maybe_initialize
 from zaya_jax.parallel.mesh import describe_mesh, make_mesh
 from zaya_jax.train.evaluate import Evaluator
@@ -76,17 +75,27 @@ def init_state(cfg: ModelConfig, tx, seed: int, sharding):
     return graphdef, state
 
 
-def run(config: ConfigDict, workdir: str, *, log=print) -> dict:
-    maybe_initialize()
-    os.makedirs(workdir, exist_ok=True)
+@dataclasses.dataclass
+class Setup:
+    """Everything a run or an evaluation builds from its config before touching a checkpoint."""
+
+    plan: Plan
+    mesh: object
+    train_sources: dict
+    valid_sources: dict
+    optimizer: OptimizerConfig
+    tx: object
+    graphdef: object
+    state: dict
+    meta: dict
+
+
+def setup(config: ConfigDict, *, log=print) -> Setup:
     plan = make_plan(config)
     cfg = plan.model
     mesh = make_mesh(**config.mesh)
-    lead = jax.process_index() == 0
-    log = log if lead else (lambda *_: None)
     log(describe(cfg))
     log(describe_mesh(mesh))
-
     tok = load_tokenizer(config.data.tokenizer)
     if tok.vocab_size > cfg.vocab_size:
         raise TrainConfigError(f"tokenizer has {tok.vocab_size} ids but the model's vocab_size is {cfg.vocab_size}")
@@ -95,36 +104,58 @@ def run(config: ConfigDict, workdir: str, *, log=print) -> dict:
         train_sources, valid_sources = corpus.train, corpus.valid
     else:
         train_sources, valid_sources = dict(config.data.sources), dict(config.data.valid_sources)
+        if not train_sources:
+            raise TrainConfigError("data.builtin is False and data.sources is empty: name indexed-dataset prefixes, "
+                                   "e.g. --config.data.sources.web=/data/web_text_document")
     weights = dict(config.data.weights)
-
+    if set(weights) != set(train_sources):
+        raise TrainConfigError(f"data.weights names {sorted(weights)} but the training sources are "
+                               f"{sorted(train_sources)}: give every source a weight")
     ocfg = OptimizerConfig(**{**dict(config.optim), "accumulation_steps": plan.accumulation})
     tx = build_optimizer(ocfg, None, log=None)
-    replicated = NamedSharding(mesh, P())
-    graphdef, state = init_state(cfg, tx, config.seed, replicated)
-    if lead:
-        from zaya_jax.optim.optimizer import partition_table
-        log(partition_table(state["params"], ocfg, tx))
-
+    graphdef, state = init_state(cfg, tx, config.seed, NamedSharding(mesh, P()))
     meta = {"model": cfg.to_hf_dict(), "seq_len": plan.seq_len}
-    ckpt = CheckpointManager(os.path.join(workdir, "checkpoints"),
-                             save_interval_steps=config.train.checkpoint_every,
+    return Setup(plan, mesh, train_sources, valid_sources, ocfg, tx, graphdef, state, meta)
+
+
+def checkpoint_manager(config: ConfigDict, workdir: str) -> CheckpointManager:
+    return CheckpointManager(os.path.join(workdir, "checkpoints"), save_interval_steps=config.train.checkpoint_every,
                              max_to_keep=config.train.keep_checkpoints)
+
+
+def run(config: ConfigDict, workdir: str, *, log=print) -> dict:
+    maybe_initialize()
+    os.makedirs(workdir, exist_ok=True)
+    lead = jax.process_index() == 0
+    log = log if lead else (lambda *_: None)
+    s = setup(config, log=log)
+    plan, mesh, cfg, state, meta = s.plan, s.mesh, s.plan.model, s.state, s.meta
+    log(partition_table(state["params"], s.optimizer, s.tx))
+
+    ckpt = checkpoint_manager(config, workdir)
     data_state, start = None, 0
     if ckpt.latest_step() is not None:
         restored = ckpt.restore(abstract_like(state), expect_meta=meta)
         state, data_state, start = restored.state, restored.data, restored.step
         log(f"resumed from {ckpt.directory} step {start}")
+    elif config.train.get("init_from"):
+        src = config.train.init_from
+        src = os.path.join(src, "checkpoints") if os.path.isdir(os.path.join(src, "checkpoints")) else src
+        subset = {k: state[k] for k in ("params", "model_state")}
+        step0, loaded = restore_subset(src, abstract_like(subset))
+        state = {**state, **loaded}
+        log(f"initialised parameters and balancing biases from {src} step {step0} (fresh optimizer and data)")
 
     batch_sharding = NamedSharding(mesh, P("data"))
     if plan.micro_rows % mesh.shape["data"]:
         raise TrainConfigError(f"microbatch of {plan.micro_rows} sequences does not split over data={mesh.shape['data']}")
-    it = train_iterator(train_sources, weights, seq_len=plan.seq_len, global_batch=plan.micro_rows,
+    it = train_iterator(s.train_sources, dict(config.data.weights), seq_len=plan.seq_len, global_batch=plan.micro_rows,
                         seed=config.seed, rank=jax.process_index(), num_ranks=jax.process_count(), state=data_state,
                         prefetch=config.data.prefetch, vocab_size=cfg.vocab_size)
     reset = bool(config.data.reset_at_documents)
-    step_fn = jax.jit(make_train_step(graphdef, tx, BalancerConfig(**dict(config.balancing)),
+    step_fn = jax.jit(make_train_step(s.graphdef, s.tx, BalancerConfig(**dict(config.balancing)),
                                       reset_at_documents=reset), donate_argnums=0)
-    evaluator = Evaluator(graphdef, valid_sources, seq_len=plan.seq_len, rows=plan.micro_rows, mesh=mesh,
+    evaluator = Evaluator(s.graphdef, s.valid_sources, seq_len=plan.seq_len, rows=plan.micro_rows, mesh=mesh,
                           max_batches=config.train.eval_batches, reset_at_documents=reset)
     writer = MetricsWriter(workdir, enabled=lead)
     peak = _peak_flops(config)

@@ -1,0 +1,1 @@
+"""ml-collections configs: one file per preset / training phase (data only)."""

@@ -1,0 +1,36 @@
+"""Every shipped config builds a valid run plan; phases chain through init_from; the MoE batch arithmetic."""
+
+import importlib
+
+import pytest
+
+from zaya_jax.train.loop import TrainConfigError, make_plan
+
+CONFIGS = ["default", "zaya1_base", "phase1_pretrain", "phase2_pretrain", "phase3_context_ext", "anneal"]
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_config_builds_a_plan(name):
+    c = importlib.import_module(f"configs.{name}").get_config()
+    plan = make_plan(c)
+    assert plan.steps > 0 and plan.micro_rows * plan.seq_len * plan.accumulation == c.train.global_batch_tokens
+    if c.data.weights:  # the base config leaves the mixture to its phases
+        assert sum(dict(c.data.weights).values()) == pytest.approx(1.0)
+
+
+def test_phase_chain_and_the_papers_numbers():
+    get = lambda n: importlib.import_module(f"configs.{n}").get_config()  # noqa: E731
+    p1, p2, p3, an = (get(n) for n in ("phase1_pretrain", "phase2_pretrain", "phase3_context_ext", "anneal"))
+    assert p1.train.global_batch_tokens == 2 ** 24 and p1.data.seq_len == 4096
+    assert p2.train.init_from == "runs/phase1" and p3.train.init_from == "runs/phase2"
+    assert an.train.init_from == "runs/phase3"
+    assert p3.data.seq_len == 32768 and p3.mesh.context == 2
+    assert abs(p3.train.global_batch_tokens - 30e6) / 30e6 < 0.01
+    assert make_plan(p3).model.rope["hybrid"].theta == 1e6 and make_plan(p1).model.rope["hybrid"].theta == 1e4
+
+
+def test_bad_batch_arithmetic_is_named():
+    c = importlib.import_module("configs.default").get_config()
+    c.train.microbatch_tokens = 1000
+    with pytest.raises(TrainConfigError, match="microbatch_tokens=1000 is not a multiple of data.seq_len=256"):
+        make_plan(c)
