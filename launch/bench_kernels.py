@@ -1,14 +1,14 @@
 """Kernel benchmark: `python -m launch.bench_kernels [--out FILE] [--quick] [--no-sweep]`.
 
 Measures the bf16 GEMM and copy-bandwidth ceilings, sweeps the launch parameters of the fused norm and the
-attention kernels, then times norms and attention (Pallas vs XLA, and cuDNN on NVIDIA) at ZAYA1 shapes and writes
-everything to a JSON file with a `ratios` summary. See pallas_kernels/_bench.py for how timings are taken.
+attention kernels (to guide the per-platform tables in pallas_kernels/_platform.py), then times norms and attention
+with the library defaults (Pallas vs XLA, and cuDNN on NVIDIA) at ZAYA1 shapes and writes everything to a JSON file
+with a `ratios` summary. See pallas_kernels/_bench.py for how timings are taken.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import warnings
@@ -17,9 +17,9 @@ import jax
 
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated", category=DeprecationWarning)
 
-from pallas_kernels import _bench as bench  # noqa: E402
-from pallas_kernels import _platform  # noqa: E402
-from pallas_kernels._platform import NormLaunch  # noqa: E402
+from pallas_kernels import _bench as bench
+from pallas_kernels import _platform
+from pallas_kernels._platform import NormLaunch
 
 FWD_CFGS = [dict(fwd_q=128, fwd_k=64, fwd_warps=8, fwd_stages=3), dict(fwd_q=128, fwd_k=128, fwd_warps=8, fwd_stages=2)]
 DQ_CFGS = [dict(dq_q=128, dq_k=64, dq_warps=8, dq_stages=3), dict(dq_q=128, dq_k=64, dq_warps=8, dq_stages=2)]
@@ -52,8 +52,7 @@ def main():
     save()
 
     d_model = 2048
-    attn_default = _platform.attention_blocks(128)
-    norm_tuning = contextlib.nullcontext()
+    attn_blocks = _platform.attention_blocks(128)
     if not args.no_sweep:
         print("sweeps", flush=True)
         rows = 4096 if args.quick else 16384
@@ -61,19 +60,16 @@ def main():
         report["sweep_norm"] = dict(table, rows=rows, d=d_model, best_fwd=dataclasses.asdict(best_fwd),
                                     best_bwd=dataclasses.asdict(best_bwd))
         print(f"  norm best fwd {best_fwd}, bwd {best_bwd}", flush=True)
-        norm_tuning = _platform.norm_launch_override(best_fwd, best_bwd)
         B, T = (1, 1024) if args.quick else (4, 4096)
-        results, attn_default = bench.sweep_attention_blocks(B, T, 8, 2, 128, FWD_CFGS, DQ_CFGS, DKV_CFGS,
-                                                             attn_default)
+        results, best = bench.sweep_attention_blocks(B, T, 8, 2, 128, FWD_CFGS, DQ_CFGS, DKV_CFGS, attn_blocks)
         report["sweep_attention"] = dict(results, shape=dict(B=B, T=T, H=8, KV=2, d=128),
-                                         best=dataclasses.asdict(attn_default))
-        print(f"  attention best {attn_default}", flush=True)
+                                         best=dataclasses.asdict(best))
+        print(f"  attention best {best}", flush=True)
         save()
 
     print("norms", flush=True)
     norm_shapes = [(2048, d_model)] if args.quick else [(8192, d_model), (16384, d_model)]
-    with norm_tuning:
-        report["norms"] = bench.bench_norms(norm_shapes, copy)
+    report["norms"] = bench.bench_norms(norm_shapes, copy)
     save()
 
     print("attention", flush=True)
@@ -84,8 +80,10 @@ def main():
         impls = ["pallas"] + (["pallas_positions"] if T == 4096 else []) + (["cudnn"] if cuda else [])
         return impls + (["xla"] if T <= 8192 else [])  # the reference materialises [B, H, T, T] fp32 scores
 
-    report["attention"] = bench.bench_attention(attn_shapes, impls_for, attn_default)
-    report["attention_blocks_used"] = dataclasses.asdict(attn_default)
+    report["attention"] = bench.bench_attention(attn_shapes, impls_for, attn_blocks)
+    report["attention_blocks_used"] = dataclasses.asdict(attn_blocks)
+    report["norm_launch_used"] = dict(fwd=dataclasses.asdict(_platform.norm_launch(d_model, "fwd")),
+                                      bwd=dataclasses.asdict(_platform.norm_launch(d_model, "bwd")))
 
     big_norm = [e for e in report["norms"] if e["kind"] == "merge_rms_norm"][-1]
     main_attn = report["attention"][0]

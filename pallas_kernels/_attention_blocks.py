@@ -15,8 +15,8 @@ With no position, segment or padding arrays the ranges are static and computed w
 
 from __future__ import annotations
 
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 
 KV_PAD_POSITION = np.iinfo(np.int32).max
 Q_PAD_POSITION = -1

@@ -19,8 +19,7 @@ import numpy as np
 from pallas_kernels import _attention_blocks as blocks_lib
 from pallas_kernels import _attention_kernels as attn_kern
 from pallas_kernels import _norm_kernels as norm_kern
-from pallas_kernels import _platform
-from pallas_kernels import cca_attention, rmsnorm
+from pallas_kernels import _platform, cca_attention, rmsnorm
 from pallas_kernels._platform import AttentionBlocks, NormLaunch
 from zaya_jax.ops import attention as attn_ops
 from zaya_jax.ops import rmsnorm as norm_ops
@@ -116,9 +115,10 @@ def bench_norms(shapes, copy_tbps: float):
             for phase in ("fwd", "fwdbwd"):
                 entry[f"{phase}_speedup_vs_xla"] = entry[f"xla_{phase}_ms"] / entry[f"pallas_{phase}_ms"]
             rows_out.append(entry)
-            print(f"  {kind:15s} rows={rows:6d} fwd {entry['pallas_fwd_ms']:.3f} ms ({entry['pallas_fwd_tbps']:.2f} TB/s,"
-                  f" xla x{entry['fwd_speedup_vs_xla']:.2f})  fwd+bwd {entry['pallas_fwdbwd_ms']:.3f} ms "
-                  f"({entry['pallas_fwdbwd_tbps']:.2f} TB/s, xla x{entry['fwdbwd_speedup_vs_xla']:.2f})", flush=True)
+            e = entry
+            print(f"  {kind:15s} rows={rows:6d} fwd {e['pallas_fwd_ms']:.3f} ms ({e['pallas_fwd_tbps']:.2f} TB/s, "
+                  f"xla x{e['fwd_speedup_vs_xla']:.2f})  fwd+bwd {e['pallas_fwdbwd_ms']:.3f} ms "
+                  f"({e['pallas_fwdbwd_tbps']:.2f} TB/s, xla x{e['fwdbwd_speedup_vs_xla']:.2f})", flush=True)
     return rows_out
 
 
@@ -185,7 +185,7 @@ def bench_attention(shapes, impls_for, blocks: AttentionBlocks):
             try:
                 t_f = time_call(fwd, q, k, v, calls=5)
                 t_fb = time_call(fwd_bwd, q, k, v, do, calls=3)
-            except Exception as e:  # noqa: BLE001 - a baseline that cannot run at this size is recorded, not fatal
+            except Exception as e:
                 entry[f"{impl}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
                 print(f"  {impl} T={T}: {entry[f'{impl}_error']}", flush=True)
                 continue
@@ -234,7 +234,7 @@ def sweep_attention_blocks(B, T, H, KV, d, fwd_cfgs, dq_cfgs, dkv_cfgs, base: At
                 args = (q, k, v, do, lse2, delta, rg)
             try:
                 t = time_call(fn, *args, calls=5)
-            except Exception as e:  # noqa: BLE001 - e.g. a tile config that exceeds shared memory
+            except Exception as e:
                 results[phase].append(dict(cfg, error=f"{type(e).__name__}: {str(e)[:160]}"))
                 continue
             timings[tuple(sorted(cfg.items()))] = t

@@ -221,7 +221,7 @@ def _rows_call(kernel, name, *, rows_in, stats_in, vecs_in, rows_out, n_stats_ou
                programs=None, **kernel_kw):
     """Launches `kernel` over row ranges; returns (row outputs..., stat outputs..., summed partials...)."""
     n_rows = rows_in[0].shape[0]
-    block_d = _platform._next_pow2(d)
+    block_d = _platform.next_pow2(d)
     rows = launch.rows
     programs = min(programs or _platform.norm_programs(launch), pl.cdiv(n_rows, rows))
     n_iters = pl.cdiv(n_rows, programs * rows)
@@ -248,7 +248,7 @@ def _rows_call(kernel, name, *, rows_in, stats_in, vecs_in, rows_out, n_stats_ou
 
 
 def _launch(launch, d, phase):
-    return launch or _platform.norm_launch(_platform._next_pow2(d), phase)
+    return launch or _platform.norm_launch(_platform.next_pow2(d), phase)
 
 
 def rms_forward(x, w, *, eps, out_dtype, launch=None, programs=None):

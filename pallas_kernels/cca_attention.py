@@ -125,7 +125,7 @@ def attention_with_lse(q, k, v, *, q_positions=None, kv_positions=None, kv_valid
     blocks = (blocks or _platform.attention_blocks(d)).clipped(T, S)
     Tp = _round_up(T, max(blocks.fwd_q, blocks.dq_q, blocks.dkv_q))
     Sp = _round_up(S, max(blocks.fwd_k, blocks.dq_k, blocks.dkv_k))
-    dp = max(16, _platform._next_pow2(d))
+    dp = max(16, _platform.next_pow2(d))
     static_window = sliding_window is None or isinstance(sliding_window, (int, np.integer))
     static = static_window and all(a is None for a in (q_positions, kv_positions, kv_valid, q_segment_ids,
                                                        kv_segment_ids))

@@ -3,8 +3,7 @@
 Same signatures and numerics as `zaya_jax.ops.rmsnorm` (the jnp references):
   rms_norm(x, weight, eps, out_dtype)                 -> weight * x * rsqrt(mean(x^2) + eps)
   merge_rms_norm(branch, residual, hs_scale, hs_bias, res_scale, res_bias, norm_weight, eps, out_dtype)
-                                                      -> (h fp32, rms_norm(h)) with
-                                                         h = (branch + hs_bias) * hs_scale + (residual + res_bias) * res_scale
+      -> (h fp32, rms_norm(h)) with h = (branch + hs_bias) * hs_scale + (residual + res_bias) * res_scale
   layer_norm(x, weight, bias, eps, out_dtype)         -> weight * (x - mean) * rsqrt(var + eps) + bias
 Statistics are fp32; the forward saves the inverse std (and mean) so the backward needs one pass over the rows.
 Inputs may have any leading shape; the last axis is normalised.
