@@ -28,3 +28,14 @@ def test_packed_documents_match_separate_runs(times):
     np.testing.assert_allclose(together[:, 7:], model(b), rtol=2e-5, atol=2e-5)
     # without resets the second document sees the first one
     assert not np.allclose(model(packed)[:, 7:], model(b), atol=1e-3)
+
+
+def test_padded_batch_has_finite_gradients_at_default_init():
+    # default init: zero conv biases, so a padded token's q/k are exactly zero before the L2 norm
+    cfg = tiny(dtype="float32", num_hidden_layers=2, remat="none")
+    model = ZayaForCausalLM(cfg, seed=0)
+    from flax import nnx
+    ids = jax.random.randint(jax.random.key(1), (2, 8), 3, cfg.vocab_size)
+    mask = jnp.array([[0, 0, 0, 1, 1, 1, 1, 1], [1] * 8])
+    grads = nnx.grad(lambda m: m(ids, attention_mask=mask)[:, -1].sum())(model)
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))

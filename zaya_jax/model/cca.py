@@ -146,8 +146,10 @@ class QKNorm(nnx.Module):
 
         def l2(x):
             xf = x.astype(jnp.float32)
-            n = jnp.sqrt(jnp.sum(xf * xf, axis=-1, keepdims=True))
-            return xf * (scale / jnp.maximum(n, eps))
+            # max(sqrt(ss), eps) written as sqrt(max(ss, eps^2)): same value, but a zero vector (a padded
+            # token) gets a zero gradient instead of sqrt's NaN at 0
+            n = jnp.sqrt(jnp.maximum(jnp.sum(xf * xf, axis=-1, keepdims=True), eps * eps))
+            return xf * (scale / n)
 
         qn = l2(q)
         kn = l2(k) * self.temp[...].astype(jnp.float32)[None, None, :, None]
