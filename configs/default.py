@@ -7,30 +7,31 @@ from ml_collections import ConfigDict
 def get_config() -> ConfigDict:
     c = ConfigDict()
     c.seed = 0
-    c.model = ConfigDict(dict(preset="tiny", overrides=ConfigDict(dict(dtype="float32"))))
+    # fp32 and no rematerialisation: the CPU has no fast bf16 and memory to spare at this size
+    c.model = ConfigDict(dict(preset="tiny", overrides=ConfigDict(dict(dtype="float32", remat="none"))))
     c.data = ConfigDict(dict(
         tokenizer="byte",  # 'byte' or a tokenizer.json path
         builtin=True,  # use the built-in corpus (no download); else `sources` maps names to indexed prefixes
         sources=ConfigDict(),
         valid_sources=ConfigDict(),
         weights=ConfigDict(dict(web=0.5, code=0.5)),
-        seq_len=256,
+        seq_len=128,
         reset_at_documents=False,  # Megatron default: attention and positions run across document boundaries
         prefetch=4,
     ))
     c.train = ConfigDict(dict(
-        steps=300,
+        steps=200,
         # tokens per optimizer step = global_batch_tokens; split into microbatches of microbatch_tokens
-        global_batch_tokens=16 * 256,
-        microbatch_tokens=16 * 256,
+        global_batch_tokens=16 * 128,
+        microbatch_tokens=16 * 128,
         batch_ramp=ConfigDict(dict(start_tokens=0, ramp_tokens=0)),  # tokens seen over which the batch ramps up
         log_every=10,
-        eval_every=100,
+        eval_every=50,
         eval_batches=4,
-        checkpoint_every=100,
+        checkpoint_every=50,
         keep_checkpoints=2,
     ))
-    c.optim = ConfigDict(dict(learning_rate=3e-3, schedule="wsd", warmup_steps=30, total_steps=300,
+    c.optim = ConfigDict(dict(learning_rate=3e-3, schedule="wsd", warmup_steps=20, total_steps=200,
                               decay_fraction=0.3, weight_decay=0.0, clip_norm=1.0))
     c.balancing = ConfigDict(dict(learning_rate=1e-3))
     c.mesh = ConfigDict(dict(data=-1, context=1, num_devices=0))  # num_devices 0 = all

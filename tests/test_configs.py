@@ -32,5 +32,18 @@ def test_phase_chain_and_the_papers_numbers():
 def test_bad_batch_arithmetic_is_named():
     c = importlib.import_module("configs.default").get_config()
     c.train.microbatch_tokens = 1000
-    with pytest.raises(TrainConfigError, match="microbatch_tokens=1000 is not a multiple of data.seq_len=256"):
+    with pytest.raises(TrainConfigError, match="microbatch_tokens=1000 is not a multiple of data.seq_len=128"):
         make_plan(c)
+
+
+def test_batch_ramp_in_tokens():
+    c = importlib.import_module("configs.default").get_config()
+    c.train.update(dict(global_batch_tokens=8 * 256, microbatch_tokens=256))
+    c.data.seq_len = 128
+    c.train.batch_ramp.update(dict(start_tokens=512, ramp_tokens=8192))
+    plan = make_plan(c)
+    assert plan.ramp[0] == 2 and plan.ramp == tuple(sorted(plan.ramp)) and max(plan.ramp) <= 8
+    assert sum(plan.ramp) * 256 >= 8192 > (sum(plan.ramp) - plan.ramp[-1]) * 256
+    assert plan.accumulation_at(len(plan.ramp)) == 8
+    k = plan.accumulation_schedule()
+    assert [int(k(s)) for s in range(len(plan.ramp) + 2)] == list(plan.ramp) + [8, 8]

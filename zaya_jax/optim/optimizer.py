@@ -77,18 +77,20 @@ def group_transforms(cfg: OptimizerConfig) -> dict[str, optax.GradientTransforma
     return {partition.MUON: muon_tx, partition.ADAMW: adamw_tx}
 
 
-def build_optimizer(cfg: OptimizerConfig, params=None, *, log: Callable[[str], None] | None = print
-                    ) -> optax.GradientTransformation:
+def build_optimizer(cfg: OptimizerConfig, params=None, *, log: Callable[[str], None] | None = print,
+                    accumulation_schedule: Callable | None = None) -> optax.GradientTransformation:
     """The full gradient transformation. With `params` (arrays or ShapeDtypeStructs), checks the Muon shapes and
-    logs the partition table."""
+    logs the partition table. `accumulation_schedule(optimizer_step) -> k` (a batch-size ramp) overrides the
+    fixed accumulation_steps."""
     if cfg.accumulation_steps < 1:
         raise ValueError(f"accumulation_steps must be >= 1, got {cfg.accumulation_steps}")
     if params is not None:
         partition.check_muon_shapes(params)
     parts = optax.partition(group_transforms(cfg), partition.label_params)
     tx = parts if cfg.clip_norm is None else optax.chain(optax.clip_by_global_norm(cfg.clip_norm), parts)
-    if cfg.accumulation_steps > 1:
-        tx = optax.MultiSteps(tx, every_k_schedule=cfg.accumulation_steps).gradient_transformation()
+    if accumulation_schedule is not None or cfg.accumulation_steps > 1:
+        every_k = accumulation_schedule or cfg.accumulation_steps
+        tx = optax.MultiSteps(tx, every_k_schedule=every_k).gradient_transformation()
     if params is not None and log is not None:
         log(partition_table(params, cfg, tx))
     return tx

@@ -43,8 +43,19 @@ class Plan:
     model: ModelConfig
     seq_len: int
     micro_rows: int  # sequences per microbatch, global
-    accumulation: int  # microbatches per optimizer step
+    accumulation: int  # microbatches per optimizer step (after any batch ramp)
     steps: int  # optimizer steps
+    ramp: tuple[int, ...] = ()  # microbatches of the first optimizer steps while the batch ramps up
+
+    def accumulation_at(self, step: int) -> int:
+        return self.ramp[step] if step < len(self.ramp) else self.accumulation
+
+    def accumulation_schedule(self):
+        """k per optimizer step for optax.MultiSteps (None without a ramp)."""
+        if not self.ramp:
+            return None
+        table = jnp.asarray(self.ramp + (self.accumulation,), jnp.int32)
+        return lambda step: table[jnp.minimum(step, len(self.ramp))]
 
 
 def make_plan(config: ConfigDict) -> Plan:
@@ -56,7 +67,26 @@ def make_plan(config: ConfigDict) -> Plan:
     if t.global_batch_tokens % t.microbatch_tokens:
         raise TrainConfigError(f"train.global_batch_tokens={t.global_batch_tokens} is not a multiple of "
                                f"train.microbatch_tokens={t.microbatch_tokens}")
-    return Plan(cfg, seq, t.microbatch_tokens // seq, t.global_batch_tokens // t.microbatch_tokens, t.steps)
+    accumulation = t.global_batch_tokens // t.microbatch_tokens
+    return Plan(cfg, seq, t.microbatch_tokens // seq, accumulation, t.steps,
+                batch_ramp(t.get("batch_ramp", {}), t.microbatch_tokens, accumulation))
+
+
+def batch_ramp(ramp, microbatch_tokens: int, accumulation: int) -> tuple[int, ...]:
+    """Microbatches per step while the global batch grows linearly, in tokens, from `start_tokens` to the full
+    batch over the first `ramp_tokens` tokens trained (rounded up to whole microbatches)."""
+    start, span = int(ramp.get("start_tokens", 0)), int(ramp.get("ramp_tokens", 0))
+    if not span:
+        return ()
+    if not 0 < start <= accumulation * microbatch_tokens:
+        raise TrainConfigError(f"train.batch_ramp.start_tokens={start} must be in (0, global_batch_tokens]")
+    ks, seen = [], 0
+    while seen < span:
+        want = start + (accumulation * microbatch_tokens - start) * seen / span
+        k = min(accumulation, max(1, -(-int(want) // microbatch_tokens)))
+        ks.append(k)
+        seen += k * microbatch_tokens
+    return tuple(ks)
 
 
 def init_state(cfg: ModelConfig, tx, seed: int, sharding):
@@ -112,7 +142,7 @@ def setup(config: ConfigDict, *, log=print) -> Setup:
         raise TrainConfigError(f"data.weights names {sorted(weights)} but the training sources are "
                                f"{sorted(train_sources)}: give every source a weight")
     ocfg = OptimizerConfig(**{**dict(config.optim), "accumulation_steps": plan.accumulation})
-    tx = build_optimizer(ocfg, None, log=None)
+    tx = build_optimizer(ocfg, None, log=None, accumulation_schedule=plan.accumulation_schedule())
     graphdef, state = init_state(cfg, tx, config.seed, NamedSharding(mesh, P()))
     meta = {"model": cfg.to_hf_dict(), "seq_len": plan.seq_len}
     return Setup(plan, mesh, train_sources, valid_sources, ocfg, tx, graphdef, state, meta)
@@ -160,12 +190,12 @@ def run(config: ConfigDict, workdir: str, *, log=print) -> dict:
     writer = MetricsWriter(workdir, enabled=lead)
     peak = _peak_flops(config)
     flops_tok = flops_per_token(cfg, plan.seq_len)
-    tokens_per_micro = plan.micro_rows * plan.seq_len
+    tokens_per_micro = plan.micro_rows * plan.seq_len  # throughput counts tokens, so a ramp is measured right
     meter, last = Throughput(), {}
     progress = _progress(start, plan.steps, lead)
     sums, micro_count = {}, 0
     for step in range(start, plan.steps):
-        for _ in range(plan.accumulation):
+        for _ in range(plan.accumulation_at(step)):
             batch = {k: jax.make_array_from_process_local_data(batch_sharding, v) for k, v in next(it).items()}
             state, m = step_fn(state, batch)
             for k, v in m.items():
