@@ -3,7 +3,7 @@
 Newton-Schulz needs two symmetric products per step: A = X Xᵀ and A·A. For a symmetric A, A·A = A Aᵀ, so both
 are Gram products and one kernel serves both (`symmetric_square`). Only tiles (r, c) with r <= c are computed;
 each program writes its tile and, off the diagonal, the transposed tile, which saves about half of the
-multiply-adds of that product.
+multiply-adds of that product. An optional epilogue adds a symmetric addend, so NS's B = b·A + c·A·A is one pass.
 
 Lowering: Pallas with the Triton backend (the one Pallas GPU path that runs on ROCm and NVIDIA): fp32
 accumulation, output in the input dtype (bf16 in, bf16 out), no atomics, no inline assembly. On the CPU the same
@@ -23,6 +23,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import _platform
+
 
 @dataclasses.dataclass(frozen=True)
 class GramTiling:
@@ -37,9 +39,17 @@ class GramTiling:
 
 
 def default_tiling(dtype) -> GramTiling:
+    vendor = _platform.vendor()
+    if vendor == "cpu":  # interpret mode: small tiles keep the interpreter quick and exercise several tiles
+        return GramTiling(tile=32, tile_k=16, num_warps=4, num_stages=1)
     if jnp.dtype(dtype).itemsize >= 4:  # fp32 tiles take twice the shared memory per stage
-        return GramTiling(tile=64, tile_k=32, num_warps=4, num_stages=3)
-    return GramTiling()
+        tiling = GramTiling(tile=64, tile_k=32, num_warps=4, num_stages=3)
+    else:
+        tiling = GramTiling()
+    if vendor == "rocm":  # 64-lane wavefronts: half the warps for as many lanes; AMD's pipeliner wants <= 2 stages
+        tiling = dataclasses.replace(tiling, num_warps=max(1, tiling.num_warps // 2),
+                                     num_stages=min(2, tiling.num_stages))
+    return tiling
 
 
 def num_upper_tiles(num_tile_rows: int) -> int:
@@ -58,8 +68,9 @@ def upper_tile_coords(p):
     return row, col
 
 
-def _gram_kernel(x_ref, o_ref, *, tile: int, tile_k: int, k_steps: int, tile_rows: int, upper_only: bool,
-                 precision):
+def _gram_kernel(x_ref, *refs, tile: int, tile_k: int, k_steps: int, tile_rows: int, upper_only: bool,
+                 precision, alpha: float, beta: float):
+    add_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
     p = pl.program_id(0)
     row, col = upper_tile_coords(p) if upper_only else (lax.div(p, tile_rows), lax.rem(p, tile_rows))
     rows = pl.ds(pl.multiple_of(row * tile, tile), tile)
@@ -73,6 +84,10 @@ def _gram_kernel(x_ref, o_ref, *, tile: int, tile_k: int, k_steps: int, tile_row
                                      preferred_element_type=jnp.float32)
 
     acc = lax.fori_loop(0, k_steps, accumulate, jnp.zeros((tile, tile), jnp.float32))
+    if alpha != 1.0:
+        acc = alpha * acc
+    if add_ref is not None:  # fused epilogue, in fp32; the addend is symmetric, so its (col, row) tile is this one's ᵀ
+        acc = acc + beta * add_ref[rows, cols].astype(jnp.float32)
     out = acc.astype(o_ref.dtype)
     o_ref[rows, cols] = out
 
@@ -91,13 +106,17 @@ def _pad_to(x, axis: int, multiple: int):
     return jnp.pad(x, widths)
 
 
-@functools.partial(jax.jit, static_argnames=("tiling", "interpret"))
-def symmetric_gram(x, *, tiling: GramTiling | None = None, interpret: bool | None = None):
-    """X Xᵀ for x [..., m, k] (leading dims are batch dims) -> [..., m, m] in x.dtype, fp32 accumulation."""
+@functools.partial(jax.jit, static_argnames=("alpha", "beta", "tiling", "interpret"))
+def symmetric_gram(x, addend=None, *, alpha: float = 1.0, beta: float = 1.0, tiling: GramTiling | None = None,
+                   interpret: bool | None = None):
+    """alpha·X Xᵀ (+ beta·addend) for x [..., m, k] (leading dims are batch dims) -> [..., m, m] in x.dtype, fp32
+    accumulation. `addend` [..., m, m] must be symmetric (Newton-Schulz: b·A + c·A·A in one pass over A)."""
     if x.ndim < 2:
         raise ValueError(f"symmetric_gram needs a matrix or a stack of matrices, got shape {x.shape}")
+    if addend is not None and addend.shape != x.shape[:-1] + (x.shape[-2],):
+        raise ValueError(f"addend must have shape {x.shape[:-1] + (x.shape[-2],)}, got {addend.shape}")
     tiling = tiling or default_tiling(x.dtype)
-    interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+    interpret = _platform.interpret() if interpret is None else interpret
     *batch, m, k = x.shape
     # A tile larger than the matrix would only add padding; Triton's dot needs at least 16.
     tile = min(tiling.tile, max(16, pl.next_power_of_2(m)))
@@ -108,18 +127,24 @@ def symmetric_gram(x, *, tiling: GramTiling | None = None, interpret: bool | Non
     tile_rows = mp // tile
     precision = lax.Precision.HIGHEST if jnp.dtype(x.dtype) == jnp.float32 else None
     kernel = functools.partial(_gram_kernel, tile=tile, tile_k=tile_k, k_steps=kp // tile_k, tile_rows=tile_rows,
-                               upper_only=tiling.upper_only, precision=precision)
+                               upper_only=tiling.upper_only, precision=precision, alpha=float(alpha),
+                               beta=float(beta))
     programs = num_upper_tiles(tile_rows) if tiling.upper_only else tile_rows * tile_rows
+    square = pl.BlockSpec((None, mp, mp), lambda p, b: (b, 0, 0))
+    operands, in_specs = [xb], [pl.BlockSpec((None, mp, kp), lambda p, b: (b, 0, 0))]
+    if addend is not None:
+        operands.append(_pad_to(_pad_to(addend.reshape((xb.shape[0], m, m)), 1, tile), 2, tile))
+        in_specs.append(square)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((xb.shape[0], mp, mp), x.dtype),
         grid=(programs, xb.shape[0]),
-        in_specs=[pl.BlockSpec((None, mp, kp), lambda p, b: (b, 0, 0))],
-        out_specs=pl.BlockSpec((None, mp, mp), lambda p, b: (b, 0, 0)),
+        in_specs=in_specs,
+        out_specs=square,
         compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
         interpret=interpret,
         name="symmetric_gram",
-    )(xb)
+    )(*operands)
     return out[:, :m, :m].reshape((*batch, m, m))
 
 

@@ -10,8 +10,9 @@ each singular value s of X0 through the same scalar polynomial; after 5 steps ev
 [0.68, 1.21].
 
 Precision: products accumulate in fp32 and are stored in the iteration dtype (bf16 by default), the linear
-combinations are formed in fp32 and stored in the iteration dtype. The Pallas path changes only the fp32
-summation order of A and A·A.
+combinations are formed in fp32 and stored in the iteration dtype. The Pallas path computes A and A·A on the
+upper-triangle tiles only and forms b A + c A·A in the kernel's epilogue from the fp32 accumulator (one rounding
+of A·A fewer); otherwise only the fp32 summation order differs.
 """
 
 from __future__ import annotations
@@ -45,13 +46,21 @@ def gram(x, impl: str = "xla", tiling=None):
     raise ValueError(f"gram: unknown impl {impl!r}; use one of {GRAM_IMPLS}")
 
 
+def quintic_combination(A, b, c, impl: str = "xla", tiling=None):
+    """b A + c A·A for a symmetric A (A·A = A Aᵀ), stored in A.dtype."""
+    if impl == "pallas":  # one kernel: c A Aᵀ on half the tiles, + b A in the epilogue
+        from pallas_kernels import symmetric_matmul
+        return symmetric_matmul.symmetric_gram(A, A, alpha=float(c), beta=float(b), tiling=tiling)
+    f32 = jnp.float32
+    return (b * A.astype(f32) + c * gram(A, impl, tiling).astype(f32)).astype(A.dtype)
+
+
 def newton_schulz_step(x, coeffs=QUINTIC_COEFFS, gram_impl: str = "xla", tiling=None):
     """One quintic step on x [..., m, n] with m <= n (the Gram side), in x.dtype."""
     a, b, c = coeffs
     f32 = jnp.float32
     A = gram(x, gram_impl, tiling)
-    AA = gram(A, gram_impl, tiling)  # A is symmetric, so A·A = A Aᵀ
-    B = (b * A.astype(f32) + c * AA.astype(f32)).astype(x.dtype)
+    B = quintic_combination(A, b, c, gram_impl, tiling)
     BX = jnp.einsum("...ij,...jn->...in", B, x, precision=_precision(x.dtype), preferred_element_type=f32)
     return (a * x.astype(f32) + BX).astype(x.dtype)
 
@@ -74,4 +83,5 @@ def newton_schulz(x, *, steps: int = 5, coeffs=QUINTIC_COEFFS, dtype=jnp.bfloat1
     return jnp.swapaxes(x, -1, -2) if transpose else x
 
 
-__all__ = ["QUINTIC_COEFFS", "GRAM_IMPLS", "gram", "gram_reference", "newton_schulz", "newton_schulz_step"]
+__all__ = ["QUINTIC_COEFFS", "GRAM_IMPLS", "gram", "gram_reference", "quintic_combination", "newton_schulz",
+           "newton_schulz_step"]
