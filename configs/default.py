@@ -30,9 +30,12 @@ def get_config() -> ConfigDict:
         eval_batches=4,
         checkpoint_every=50,
         keep_checkpoints=2,
+        init_from="",  # a previous phase's run directory: start from its weights (any device count)
+        peak_tflops=0.0,  # per-device peak for MFU; 0 = look up the device kind
+        fault="",  # fault injection for drills/tests, e.g. "nan@12,hang@30" (zaya_jax/fault/inject.py)
     ))
     c.optim = ConfigDict(dict(learning_rate=3e-3, schedule="wsd", warmup_steps=20, total_steps=200,
                               decay_fraction=0.3, weight_decay=0.0, clip_norm=1.0))
-    c.balancing = ConfigDict(dict(learning_rate=1e-3))
+    c.balancing = ConfigDict(dict(learning_rate=5e-3))  # fast enough to balance a short run (measured on a toy)
     c.mesh = ConfigDict(dict(data=-1, context=1, num_devices=0))  # num_devices 0 = all
     return c
