@@ -45,3 +45,20 @@ def test_checkpoint_of_another_model_is_refused_by_name(tmp_path):
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(CheckpointError, match="no finished checkpoint"):
         CheckpointManager(str(tmp_path / "empty")).restore({})
+
+
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    import os
+    mngr = CheckpointManager(str(tmp_path), save_interval_steps=1, max_to_keep=3)
+    state = _state(_mesh(2))
+    mngr.save(1, state, data={"step": 1}, meta={})
+    mngr.save(2, jax.tree.map(lambda x: x + 1, state), data={"step": 2}, meta={})
+    mngr.close()
+    for root, _, files in os.walk(tmp_path / "2" / "state"):  # truncate every data file of step 2
+        for f in files:
+            open(os.path.join(root, f), "wb").close()
+    said = []
+    r = CheckpointManager(str(tmp_path)).restore(abstract_like(state), log=said.append)
+    assert r.step == 1 and r.data == {"step": 1}
+    np.testing.assert_array_equal(r.state["params"]["w"], state["params"]["w"])
+    assert "step 2 cannot be read" in said[0] and "falling back to step 1" in said[0]

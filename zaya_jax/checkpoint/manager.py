@@ -33,8 +33,10 @@ class CheckpointManager:
     def __init__(self, directory: str, *, save_interval_steps: int = 100, max_to_keep: int | None = 3,
                  async_save: bool = True):
         self.directory = os.path.abspath(directory)
+        # cleanup_tmp_directories: a save killed mid-write leaves an unfinished tmp folder, never a usable step
         options = ocp.CheckpointManagerOptions(save_interval_steps=save_interval_steps, max_to_keep=max_to_keep,
-                                               enable_async_checkpointing=async_save, create=True)
+                                               enable_async_checkpointing=async_save, create=True,
+                                               cleanup_tmp_directories=True)
         self._mngr = ocp.CheckpointManager(self.directory, options=options)
 
     # ---- save ---------------------------------------------------------------------------------------------------
@@ -58,14 +60,29 @@ class CheckpointManager:
     def latest_step(self) -> int | None:
         return self._mngr.latest_step()
 
-    def restore(self, abstract_state, *, step: int | None = None, expect_meta: dict | None = None) -> Restored:
+    def restore(self, abstract_state, *, step: int | None = None, expect_meta: dict | None = None,
+                log=print) -> Restored:
         """Restores onto the shardings of `abstract_state` (a pytree of jax.ShapeDtypeStruct with .sharding), so
-        the saving and the restoring mesh may differ. `expect_meta`: keys whose saved values must match."""
-        step = self.latest_step() if step is None else step
-        if step is None:
+        the saving and the restoring mesh may differ. `expect_meta`: keys whose saved values must match.
+        Without `step`, a latest checkpoint that cannot be read falls back to the one before it."""
+        steps = self.all_steps()
+        if not steps:
             raise CheckpointError(f"no finished checkpoint in {self.directory}")
-        if step not in self._mngr.all_steps():
-            raise CheckpointError(f"no checkpoint for step {step} in {self.directory} (have {self.all_steps()})")
+        if step is not None and step not in steps:
+            raise CheckpointError(f"no checkpoint for step {step} in {self.directory} (have {steps})")
+        candidates = [step] if step is not None else steps[::-1]
+        for i, s in enumerate(candidates):
+            try:
+                return self._restore_step(s, abstract_state, expect_meta)
+            except CheckpointError:
+                raise
+            except Exception as e:  # unreadable files: a corrupt or truncated checkpoint
+                if i + 1 == len(candidates):
+                    raise CheckpointError(f"checkpoint {self.directory} step {s} cannot be read: {e}") from e
+                log(f"checkpoint {self.directory} step {s} cannot be read ({type(e).__name__}: "
+                    f"{str(e)[:200]}); falling back to step {candidates[i + 1]}")
+
+    def _restore_step(self, step: int, abstract_state, expect_meta) -> Restored:
         meta = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         for key, want in (expect_meta or {}).items():
             got = meta.get(key)
@@ -77,8 +94,10 @@ class CheckpointManager:
             r = self._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
                                                                  data=ocp.args.JsonRestore()))
         except (ValueError, KeyError) as e:
-            raise CheckpointError(f"checkpoint {self.directory} step {step} does not match this run's state "
-                                  f"structure: {e}") from e
+            if "structure" in str(e).lower() or isinstance(e, KeyError):
+                raise CheckpointError(f"checkpoint {self.directory} step {step} does not match this run's state "
+                                      f"structure: {e}") from e
+            raise
         return Restored(step=step, state=r["state"], data=r["data"], meta=meta)
 
 

@@ -4,7 +4,9 @@ exists) -> loop of the jitted train step with evaluation and checkpoint cadences
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import signal
 import time
 
 import jax
@@ -16,20 +18,30 @@ from ml_collections import ConfigDict
 from zaya_jax.checkpoint.manager import CheckpointManager, abstract_like, restore_subset
 from zaya_jax.config import ModelConfig, preset
 from zaya_jax.data import builtin_corpus, load_tokenizer, train_iterator
+from zaya_jax.fault.control import beat, read_control, skipped
+from zaya_jax.fault.inject import FaultInjector
 from zaya_jax.model import ZayaForCausalLM
 from zaya_jax.model.base import BalancingBias
 from zaya_jax.model_info import describe
 from zaya_jax.optim.balancing import BalancerConfig, init_balancer
 from zaya_jax.optim.optimizer import OptimizerConfig, build_optimizer, learning_rates, partition_table
+from zaya_jax.parallel.config import ParallelConfig
+from zaya_jax.parallel.context import ContextParallel
 from zaya_jax.parallel.distributed import maybe_initialize
 from zaya_jax.parallel.mesh import describe_mesh, make_mesh
+from zaya_jax.parallel.sharding import combine_threshold_options, describe_optimizer_memory, state_shardings, zero1
+from zaya_jax.parallel.zigzag import Zigzag
 from zaya_jax.train.evaluate import Evaluator
 from zaya_jax.train.flops import flops_per_token
 from zaya_jax.train.metrics import MetricsWriter, Throughput
-from zaya_jax.train.step import make_train_step
+from zaya_jax.train.step import make_context_parallel_loss_fn, make_train_step
 
 # Dense bf16 peak FLOP/s per device kind, for MFU (vendor figures; override with train.peak_tflops).
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "MI300X": 1307.4, "MI325X": 1307.4, "MI355X": 2516.6, "A100": 312.0}
+
+
+EXIT_NONFINITE = 65  # the trainer's exit status when the loss went NaN/Inf (no checkpoint written)
+EXIT_STOPPED = 75  # stopped by SIGTERM (the supervisor, a scheduler) after finishing checkpoint writes
 
 
 class TrainConfigError(ValueError):
@@ -90,7 +102,8 @@ def batch_ramp(ramp, microbatch_tokens: int, accumulation: int) -> tuple[int, ..
 
 
 def init_state(cfg: ModelConfig, tx, seed: int, sharding):
-    """Parameters, model state and optimizer state, created directly with their shardings (no host copy)."""
+    """Parameters, model state and optimizer state, created directly with their shardings (no host copy).
+    sharding: one NamedSharding for every leaf, or a function of the state's shapes -> shardings (ZeRO-1)."""
     abstract = nnx.eval_shape(lambda: ZayaForCausalLM(cfg, seed=seed))
     graphdef, _, _ = nnx.split(abstract, nnx.Param, BalancingBias)
 
@@ -101,7 +114,8 @@ def init_state(cfg: ModelConfig, tx, seed: int, sharding):
                 "model_state": model_state, "balancer": init_balancer(cfg.num_hidden_layers, cfg.num_experts)}
 
     shapes = jax.eval_shape(create)
-    state = jax.jit(create, out_shardings=jax.tree.map(lambda _: sharding, shapes))()
+    shardings = sharding(shapes) if callable(sharding) else jax.tree.map(lambda _: sharding, shapes)
+    state = jax.jit(create, out_shardings=shardings)()
     return graphdef, state
 
 
@@ -118,12 +132,16 @@ class Setup:
     graphdef: object
     state: dict
     meta: dict
+    parallel: ParallelConfig = ParallelConfig()
 
 
 def setup(config: ConfigDict, *, log=print) -> Setup:
     plan = make_plan(config)
     cfg = plan.model
-    mesh = make_mesh(**config.mesh)
+    mesh_args = dict(config.mesh)
+    if os.environ.get("ZAYA_NUM_DEVICES"):  # set by the supervisor when it restarts on fewer devices
+        mesh_args["num_devices"] = int(os.environ["ZAYA_NUM_DEVICES"])
+    mesh = make_mesh(**mesh_args)
     log(describe(cfg))
     log(describe_mesh(mesh))
     tok = load_tokenizer(config.data.tokenizer)
@@ -143,9 +161,14 @@ def setup(config: ConfigDict, *, log=print) -> Setup:
                                f"{sorted(train_sources)}: give every source a weight")
     ocfg = OptimizerConfig(**{**dict(config.optim), "accumulation_steps": plan.accumulation})
     tx = build_optimizer(ocfg, None, log=None, accumulation_schedule=plan.accumulation_schedule())
-    graphdef, state = init_state(cfg, tx, config.seed, NamedSharding(mesh, P()))
+    par = ParallelConfig.from_config(config)
+    if par.zero1:  # optimizer state sharded over the batch axes (parallel/sharding.py); a no-op on one device
+        tx = zero1(tx, mesh, muon=par.muon_placement)
+    graphdef, state = init_state(cfg, tx, config.seed,
+                                 lambda shapes: state_shardings(shapes, mesh, zero1=par.zero1))
+    log(describe_optimizer_memory(state["opt_state"], mesh))
     meta = {"model": cfg.to_hf_dict(), "seq_len": plan.seq_len}
-    return Setup(plan, mesh, train_sources, valid_sources, ocfg, tx, graphdef, state, meta)
+    return Setup(plan, mesh, train_sources, valid_sources, ocfg, tx, graphdef, state, meta, par)
 
 
 def checkpoint_manager(config: ConfigDict, workdir: str) -> CheckpointManager:
@@ -183,8 +206,17 @@ def run(config: ConfigDict, workdir: str, *, log=print) -> dict:
                         seed=config.seed, rank=jax.process_index(), num_ranks=jax.process_count(), state=data_state,
                         prefetch=config.data.prefetch, vocab_size=cfg.vocab_size)
     reset = bool(config.data.reset_at_documents)
+    loss_fn = None
+    if mesh.shape["context"] > 1:  # context parallelism: zigzag sequence shards, ring / all-gather attention
+        cp = ContextParallel(Zigzag(mesh.shape["context"], plan.seq_len), attention=s.parallel.context_attention,
+                             impl=cfg.attention_impl)
+        cp.check(cfg)
+        loss_fn = make_context_parallel_loss_fn(s.graphdef, reset, cp, mesh)
+    # out_shardings pin the state's layout (ZeRO-1 shards stay shards, parameters stay replicated)
     step_fn = jax.jit(make_train_step(s.graphdef, s.tx, BalancerConfig(**dict(config.balancing)),
-                                      reset_at_documents=reset), donate_argnums=0)
+                                      reset_at_documents=reset, loss_fn=loss_fn), donate_argnums=0,
+                      out_shardings=(jax.tree.map(lambda x: x.sharding, state), NamedSharding(mesh, P())),
+                      compiler_options=combine_threshold_options(s.parallel.bucket_bytes))
     evaluator = Evaluator(s.graphdef, s.valid_sources, seq_len=plan.seq_len, rows=plan.micro_rows, mesh=mesh,
                           max_batches=config.train.eval_batches, reset_at_documents=reset)
     writer = MetricsWriter(workdir, enabled=lead)
@@ -194,15 +226,29 @@ def run(config: ConfigDict, workdir: str, *, log=print) -> dict:
     meter, last = Throughput(), {}
     progress = _progress(start, plan.steps, lead)
     sums, micro_count = {}, 0
+    faults = FaultInjector(config.train.get("fault", ""), workdir)
+    stop = GracefulStop()
+    skip_windows = read_control(workdir)["skip_steps"]
     for step in range(start, plan.steps):
+        done = step + 1
+        if skipped(done, skip_windows):  # data the supervisor marked bad (NaN / loss spike): read past it
+            for _ in range(plan.accumulation_at(step)):
+                next(it)
+            log(f"step {done}: skipping its data (supervisor rewind)")
+            continue
         for _ in range(plan.accumulation_at(step)):
             batch = {k: jax.make_array_from_process_local_data(batch_sharding, v) for k, v in next(it).items()}
             state, m = step_fn(state, batch)
+            faults.after_dispatch(done)
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + v
             micro_count += 1
             meter.add(tokens_per_micro)
-        done = step + 1
+        if faults.poisoned("nan", done):  # what a poisoned batch does: non-finite weights and loss
+            state = {**state, "params": jax.tree.map(lambda p: p * jnp.nan, state["params"])}
+            sums["loss"] = sums["loss"] * jnp.nan
+        if faults.poisoned("spike", done):
+            sums["loss"] = sums["loss"] * 50.0
         if done == start + 1:
             jax.block_until_ready(state)
             meter.start()  # exclude compilation from throughput
@@ -216,6 +262,18 @@ def run(config: ConfigDict, workdir: str, *, log=print) -> dict:
             last.update({f"lr_{k}": float(v) for k, v in learning_rates(state["opt_state"]).items()})
             writer.write(done, last)
             progress(done, last)
+            if not math.isfinite(last["loss"]):
+                log(f"step {done}: loss is {last['loss']}; stopping without saving (exit {EXIT_NONFINITE})")
+                writer.close()
+                ckpt.wait()  # an earlier, good checkpoint may still be writing: finish it, it is the rewind point
+                os._exit(EXIT_NONFINITE)  # no checkpoint of a broken state; the supervisor rewinds
+        if lead:
+            beat(workdir, done)
+        faults.after_step(done)
+        if stop.requested:
+            log(f"step {done}: stop requested; finishing checkpoint writes (exit {EXIT_STOPPED})")
+            ckpt.wait()
+            os._exit(EXIT_STOPPED)
         if config.train.eval_every and (done % config.train.eval_every == 0 or done == plan.steps):
             ev = evaluator(state["params"], state["model_state"])
             writer.write(done, ev)
@@ -223,10 +281,27 @@ def run(config: ConfigDict, workdir: str, *, log=print) -> dict:
             last.update(ev)
         if done % config.train.checkpoint_every == 0 or done == plan.steps:
             ckpt.save(done, state, data=it.state(), meta=meta, force=done == plan.steps)
+            faults.after_save(done)
+    if lead:
+        beat(workdir, plan.steps, finishing=True)
     it.close()
     ckpt.close()
     writer.close()
     return last
+
+
+class GracefulStop:
+    """SIGTERM sets a flag the loop checks after each step, instead of killing a checkpoint write halfway."""
+
+    def __init__(self):
+        self.requested = False
+        try:
+            signal.signal(signal.SIGTERM, self._request)
+        except ValueError:  # not the main thread (e.g. a test harness): keep the default behaviour
+            pass
+
+    def _request(self, *_):
+        self.requested = True
 
 
 def _peak_flops(config) -> float | None:

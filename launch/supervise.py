@@ -1,0 +1,46 @@
+"""python -m launch.supervise [OPTIONS] -- python -m launch.train --config ... --workdir DIR
+
+Runs the training command under the fault-tolerance supervisor (zaya_jax/fault/supervisor.py): restarts after
+crashes and hangs, rewinds and skips data after NaN losses and loss spikes, restarts on the devices available,
+logs every action to DIR/events.jsonl. The run directory is taken from the command's --workdir."""
+
+import argparse
+import sys
+
+from zaya_jax.fault.supervisor import Supervisor, SupervisorConfig
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if "--" not in argv:
+        sys.exit("usage: python -m launch.supervise [OPTIONS] -- TRAIN COMMAND ...")
+    split = argv.index("--")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--max-restarts", type=int, default=5)
+    ap.add_argument("--backoff", type=float, default=1.0, help="first restart delay (s), doubling")
+    ap.add_argument("--hang-factor", type=float, default=10.0, help="hang = no step for this x median step time")
+    ap.add_argument("--min-hang", type=float, default=60.0, help="never call a hang sooner than this (s)")
+    ap.add_argument("--startup", type=float, default=900.0, help="allowance before the first step (s)")
+    ap.add_argument("--spike-z", type=float, default=8.0)
+    ap.add_argument("--spike-window", type=int, default=50)
+    ap.add_argument("--spike-min-steps", type=int, default=20)
+    ap.add_argument("--skip-window", type=int, default=1, help="steps of data skipped after a NaN/spike")
+    ap.add_argument("--notify", help="shell command receiving each action as JSON on stdin")
+    ap.add_argument("--devices-cmd", help="shell command printing the number of usable devices before a restart")
+    args = ap.parse_args(argv[:split])
+    command = argv[split + 1:]
+    workdir = next((a.split("=", 1)[1] for a in command if a.startswith("--workdir=")), None)
+    if workdir is None and "--workdir" in command:
+        workdir = command[command.index("--workdir") + 1]
+    if not workdir:
+        sys.exit("launch.supervise: the training command must name its --workdir")
+    cfg = SupervisorConfig(workdir=workdir, command=command, max_restarts=args.max_restarts,
+                           backoff_s=args.backoff, hang_factor=args.hang_factor, min_hang_s=args.min_hang,
+                           startup_s=args.startup, spike_window=args.spike_window, spike_z=args.spike_z,
+                           spike_min_steps=args.spike_min_steps, skip_window=args.skip_window,
+                           notify_cmd=args.notify, devices_cmd=args.devices_cmd)
+    sys.exit(Supervisor(cfg).run())
+
+
+if __name__ == "__main__":
+    main()

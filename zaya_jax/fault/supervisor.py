@@ -1,0 +1,232 @@
+"""The supervisor: runs a training command as a child process group, watches its heartbeat and metrics, and acts.
+
+  exit 0                      done
+  crash / killed (any signal) restart from the latest finished checkpoint (retry budget, exponential backoff)
+  hang                        no heartbeat for max(min_hang_s, hang_factor x median step time): SIGKILL, restart
+  NaN / Inf loss              rewind: checkpoints at or after the bad step are moved aside (never deleted), the bad
+                              step's data is skipped, restart from the latest earlier checkpoint
+  loss spike                  the same, when the loss sits more than spike_z robust z-scores (median/MAD of the
+                              last spike_window steps) above the median
+  the same failure at the     unknown: stop and notify a human instead of looping
+  same step twice, no progress
+Devices: before each restart `devices_cmd` (if given) prints how many devices are usable; the trainer restarts on
+those (ZAYA_NUM_DEVICES), restoring the same logical checkpoint onto the smaller mesh with the same global batch.
+Every action is a line in WORKDIR/events.jsonl and is passed (as JSON on stdin) to `notify_cmd`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import time
+
+from zaya_jax.fault.control import CONTROL, EVENTS, HEARTBEAT, read_control, read_json, write_json_atomic
+
+EXIT_NONFINITE = 65  # zaya_jax.train.loop.EXIT_NONFINITE (not imported: the supervisor must not load jax)
+
+
+@dataclasses.dataclass
+class SupervisorConfig:
+    workdir: str
+    command: list[str]
+    max_restarts: int = 5
+    backoff_s: float = 1.0  # doubles after each consecutive failure, capped at 60 s
+    hang_factor: float = 10.0
+    min_hang_s: float = 60.0  # between heartbeats
+    startup_s: float = 900.0  # before the first heartbeat of a (re)start: imports, restore, compilation
+    spike_window: int = 50
+    spike_z: float = 8.0
+    spike_min_steps: int = 20  # no spike verdicts before this many logged steps
+    skip_window: int = 1  # optimizer steps of data to skip, ending at the bad step
+    poll_s: float = 0.5
+    stop_grace_s: float = 60.0  # SIGTERM -> SIGKILL: time for the trainer to finish writing a checkpoint
+    notify_cmd: str | None = None
+    devices_cmd: str | None = None
+
+
+class Supervisor:
+    def __init__(self, cfg: SupervisorConfig):
+        self.cfg = cfg
+        os.makedirs(cfg.workdir, exist_ok=True)
+        self.events_path = os.path.join(cfg.workdir, EVENTS)
+        self.metrics_path = os.path.join(cfg.workdir, "metrics.jsonl")
+
+    # ---- bookkeeping ----------------------------------------------------------------------------------------------
+    def event(self, name: str, /, **detail) -> dict:
+        row = {"time": time.time(), "event": name, **detail}
+        with open(self.events_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.cfg.notify_cmd and name in ("restart", "rewind", "hang", "gave_up", "unknown_failure"):
+            subprocess.run(self.cfg.notify_cmd, shell=True, input=json.dumps(row), text=True, check=False)
+        return row
+
+    def _losses(self, offset: int) -> tuple[list[tuple[int, float]], int]:
+        """(step, loss) rows appended to metrics.jsonl since byte `offset`, and the new offset."""
+        rows = []
+        try:
+            with open(self.metrics_path) as f:
+                f.seek(offset)
+                for line in f:
+                    if not line.endswith("\n"):
+                        break
+                    offset += len(line)
+                    r = json.loads(line)
+                    if "loss" in r:
+                        rows.append((r["step"], r["loss"]))
+        except FileNotFoundError:
+            pass
+        return rows, offset
+
+    def _checkpoint_steps(self) -> list[int]:
+        d = os.path.join(self.cfg.workdir, "checkpoints")
+        if not os.path.isdir(d):
+            return []
+        return sorted(int(n) for n in os.listdir(d) if n.isdigit())
+
+    # ---- actions --------------------------------------------------------------------------------------------------
+    def rewind(self, bad_step: int, reason: str):
+        """Move checkpoints at/after bad_step aside and mark the bad data to be skipped."""
+        aside = os.path.join(self.cfg.workdir, "rewound", time.strftime("%Y%m%d-%H%M%S"))
+        moved = []
+        for s in self._checkpoint_steps():
+            if s >= bad_step:
+                os.makedirs(aside, exist_ok=True)
+                shutil.move(os.path.join(self.cfg.workdir, "checkpoints", str(s)), os.path.join(aside, str(s)))
+                moved.append(s)
+        control = read_control(self.cfg.workdir)
+        window = [max(1, bad_step - self.cfg.skip_window + 1), bad_step]
+        control["skip_steps"] = [list(w) for w in control["skip_steps"]] + [window]
+        write_json_atomic(os.path.join(self.cfg.workdir, CONTROL), control)
+        resume = max([s for s in self._checkpoint_steps() if s < bad_step], default=0)
+        self.event("rewind", reason=reason, bad_step=bad_step, resume_from=resume, skip_steps=window,
+                   moved_checkpoints=moved, moved_to=aside if moved else None)
+
+    def _devices_env(self) -> dict:
+        env = dict(os.environ)
+        if self.cfg.devices_cmd:
+            out = subprocess.run(self.cfg.devices_cmd, shell=True, capture_output=True, text=True, check=False)
+            n = out.stdout.strip()
+            if n.isdigit() and int(n) > 0:
+                env["ZAYA_NUM_DEVICES"] = n
+        return env
+
+    # ---- the watch loop -------------------------------------------------------------------------------------------
+    def run(self) -> int:
+        cfg = self.cfg
+        restarts, backoff = 0, cfg.backoff_s
+        last_failure = None
+        offset = 0
+        history: list[tuple[int, float]] = []  # (step, loss) of recent good steps, for the spike statistics
+        while True:
+            env = self._devices_env()
+            hb_path = os.path.join(cfg.workdir, HEARTBEAT)
+            start_beat = read_json(hb_path, {}) or {}
+            child = subprocess.Popen(cfg.command, env=env, start_new_session=True)
+            self.event("start", pid=child.pid, command=cfg.command, devices=env.get("ZAYA_NUM_DEVICES"),
+                       from_step=start_beat.get("step"))
+            verdict = self._watch(child, hb_path, start_beat, offset, history)
+            offset = verdict.pop("offset")
+            if verdict["kind"] == "done":
+                self.event("done", step=verdict.get("step"))
+                return 0
+            step = verdict.get("step")
+            signature = (verdict["kind"], step)
+            if signature == last_failure and verdict["kind"] in ("crash", "nonfinite"):
+                self.event("unknown_failure", **verdict)
+                return 2
+            last_failure = signature
+            progressed = verdict.pop("progressed", False)
+            if progressed:
+                restarts, backoff = 0, cfg.backoff_s
+            if restarts >= cfg.max_restarts:
+                self.event("gave_up", restarts=restarts, **verdict)
+                return 1
+            if verdict["kind"] in ("nonfinite", "spike"):
+                self.rewind(verdict["bad_step"], verdict["kind"])
+                history[:] = [(st, x) for st, x in history if st < verdict["bad_step"]]
+            restarts += 1
+            self.event("restart", attempt=restarts, backoff_s=backoff, **verdict)
+            time.sleep(backoff)
+            backoff = min(60.0, backoff * 2)
+
+    def _watch(self, child, hb_path, start_beat, offset, history) -> dict:
+        cfg = self.cfg
+        beats: list[tuple[float, int]] = []
+        last_seen = time.time()
+        seen_step = start_beat.get("step")
+        while True:
+            rows, offset = self._losses(offset)
+            for step, loss in rows:
+                if not math.isfinite(loss):
+                    _kill(child, cfg.stop_grace_s)
+                    return {"kind": "nonfinite", "bad_step": step, "step": step, "offset": offset,
+                            "progressed": True}
+                if self._is_spike(loss, [x for _, x in history]):
+                    _kill(child, cfg.stop_grace_s)
+                    return {"kind": "spike", "bad_step": step, "step": step, "loss": loss, "offset": offset,
+                            "progressed": True}
+                history.append((step, loss))
+                del history[:-cfg.spike_window]
+            hb = read_json(hb_path, {}) or {}
+            finishing = hb.get("finishing", False) and hb.get("pid") == child.pid
+            if hb.get("step") is not None and hb.get("step") != seen_step:
+                seen_step = hb["step"]
+                now = time.time()
+                beats.append((now, seen_step))
+                last_seen = now
+            code = child.poll()
+            if code is not None:
+                rows, offset = self._losses(offset)
+                bad = next(((s, x) for s, x in rows if not math.isfinite(x)), None)
+                progressed = seen_step != start_beat.get("step")
+                if code == 0:
+                    return {"kind": "done", "step": seen_step, "offset": offset}
+                if code == EXIT_NONFINITE or bad:
+                    step = bad[0] if bad else (seen_step or 0) + 1
+                    return {"kind": "nonfinite", "bad_step": step, "step": step, "offset": offset,
+                            "progressed": progressed}
+                how = f"signal {-code}" if code < 0 else f"exit {code}"
+                return {"kind": "crash", "how": how, "step": seen_step, "offset": offset, "progressed": progressed}
+            timeout = self._hang_timeout(beats) if beats and not finishing else cfg.startup_s
+            if time.time() - last_seen > timeout:
+                self.event("hang", step=seen_step, silent_s=round(time.time() - last_seen, 1),
+                           timeout_s=round(timeout, 1))
+                _kill(child, 0.0)  # a hung main thread never reaches its stop check: no grace
+                return {"kind": "hang", "step": seen_step, "offset": offset,
+                        "progressed": seen_step != start_beat.get("step")}
+            time.sleep(cfg.poll_s)
+
+    def _hang_timeout(self, beats) -> float:
+        if len(beats) < 3:
+            return self.cfg.min_hang_s
+        gaps = [b[0] - a[0] for a, b in zip(beats, beats[1:])]
+        return max(self.cfg.min_hang_s, self.cfg.hang_factor * statistics.median(gaps))
+
+    def _is_spike(self, loss: float, history: list[float]) -> bool:
+        if len(history) < self.cfg.spike_min_steps:
+            return False
+        med = statistics.median(history)
+        mad = statistics.median(abs(x - med) for x in history) or 1e-6
+        return (loss - med) / (1.4826 * mad) > self.cfg.spike_z
+
+
+def _kill(child: subprocess.Popen, grace_s: float):
+    """SIGTERM the process group (the trainer finishes in-flight checkpoint writes and exits), SIGKILL whatever is
+    left after grace_s, then reap it."""
+    for sig in ((signal.SIGTERM,) if grace_s > 0 else ()) + (signal.SIGKILL,):
+        try:
+            os.killpg(child.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            child.wait(timeout=grace_s)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    child.wait()
