@@ -3,7 +3,6 @@ devices, an injected NaN, a loss spike and a hang; the supervised runs end where
 
 import json
 import os
-import subprocess
 import sys
 
 import jax
