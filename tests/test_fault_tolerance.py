@@ -46,15 +46,15 @@ def test_kills_crash_and_fewer_devices_end_like_an_uninterrupted_run(tmp_path):
     clean = run(get_config(), str(tmp_path / "clean"), log=lambda *_: None)["loss"]
     wd = tmp_path / "faulty"
     devices = tmp_path / "devices"
-    devices.write_text("4")
-    # after the crash at step 7 only 2 devices are left: the restart must continue the same run on them
+    devices.write_text("8")
+    # after the crash at step 7 only 4 devices are left: the restart must continue the same run on them
     fault = "kill@3,killsave@4,crash@7"
-    cmd = f"[ -e {wd}/.fault_crash_7 ] && echo 2 > {devices}; cat {devices}"
+    cmd = f"[ -e {wd}/.fault_crash_7 ] && echo 4 > {devices}; cat {devices}"
     assert supervise(wd, fault, devices_cmd=cmd) == 0
     ev = events(wd)
     restarts = [e for e in ev if e["event"] == "restart"]
     assert [r["how"] for r in restarts] == ["signal 9", "signal 9", "exit 3"]
-    assert [e.get("devices") for e in ev if e["event"] == "start"][-1] == "2"
+    assert [e.get("devices") for e in ev if e["event"] == "start"] == ["8", "8", "8", "4"]
     assert ev[-1]["event"] == "done"
     np.testing.assert_allclose(final_loss(wd), clean, rtol=1e-5)
     assert sorted(int(n) for n in os.listdir(wd / "checkpoints") if n.isdigit()) == [2, 4, 6, 8, 10]

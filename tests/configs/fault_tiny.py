@@ -11,5 +11,5 @@ def get_config():
     c.train.update(dict(steps=10, global_batch_tokens=8 * 32, microbatch_tokens=8 * 32, log_every=1, eval_every=0,
                         checkpoint_every=2, keep_checkpoints=10))
     c.optim.update(dict(warmup_steps=2, total_steps=10))
-    c.mesh.num_devices = 4
+    c.mesh.num_devices = 8
     return c

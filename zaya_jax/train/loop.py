@@ -199,6 +199,11 @@ def run(config: ConfigDict, workdir: str, *, log=print) -> dict:
         state = {**state, **loaded}
         log(f"initialised parameters and balancing biases from {src} step {step0} (fresh optimizer and data)")
 
+    if start >= plan.steps:
+        log(f"{workdir}: already trained to step {start} of {plan.steps}; nothing to do "
+            f"(raise --config.train.steps to continue)")
+        ckpt.close()
+        return {"step": start}
     batch_sharding = NamedSharding(mesh, P("data"))
     if plan.micro_rows % mesh.shape["data"]:
         raise TrainConfigError(f"microbatch of {plan.micro_rows} sequences does not split over data={mesh.shape['data']}")
