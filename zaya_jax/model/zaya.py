@@ -119,6 +119,48 @@ class ZayaModel(nnx.Module):
         y = norm_ops.rms_norm(h, self.norm.weight[...], cfg.rms_norm_eps, dt, impl=cfg.norm_impl)
         return y, ForwardAux(expert_counts=counts)
 
+    def forward_with_layer_state(self, input_ids, *, positions, cca_state, attend_state, attend,
+                                 attention_mask=None):
+        """The forward for inference caches: each layer reads and returns its own slice of per-layer state.
+
+        cca_state: CCAState whose leaves have a leading layer axis ([L, B, P, C] halo, [L, B, KV*d/2] value);
+        attend_state: any pytree with a leading layer axis (e.g. K/V caches); attend(attend_state_l, q, k, v,
+        sliding_window) -> (o, new attend_state_l) replaces the layer's attention. attention_mask [B, T] zeroes
+        padded tokens before the CCA projections (as HF does for multi-token inputs).
+        Returns (final normed hidden states [B, T, D], new cca_state, new attend_state), leading axes as given.
+        Layers always run under lax.scan and without remat: this path is never differentiated."""
+        cfg = self.cfg
+        dt = dtypes(cfg)[0]
+        B, T = input_ids.shape
+        e = jnp.take(self.embed_tokens.weight[...], input_ids, axis=0).astype(jnp.float32)
+        h = (e + self.input_hidden_states_bias[...].astype(jnp.float32)) * self.input_hidden_states_scale[...].astype(
+            jnp.float32)
+        router_state = jnp.zeros((B, T, cfg.router_hidden_size), jnp.float32)
+        state_scale, inv_freq, windows = self._per_layer_inputs()
+        uniform_window = cfg.sliding_window if set(cfg.layer_types) == {"hybrid_sliding"} else None
+        graphdef, layer_params = nnx.split(self.layers)
+
+        def body(carry, xs):
+            h, r = carry
+            params, scale, freq, window, cca_l, attend_l = xs
+            layer = nnx.merge(graphdef, params)
+            window_arg = window if windows is not None and uniform_window is None else uniform_window
+            produced = {}
+
+            def layer_attend(q, k, v):
+                o, produced["state"] = attend(attend_l, q, k, v, window_arg)
+                return o
+
+            h, r, _, cca_l = layer(h, r, state_scale=scale, positions=positions, inv_freq=freq,
+                                   sliding_window=window_arg, attention_mask=attention_mask, cca_state=cca_l,
+                                   attend=layer_attend)
+            return (h, r), (cca_l, produced["state"])
+
+        xs = (layer_params, state_scale, inv_freq, windows, cca_state, attend_state)
+        (h, _), (cca_state, attend_state) = jax.lax.scan(body, (h, router_state), xs)
+        y = norm_ops.rms_norm(h, self.norm.weight[...], cfg.rms_norm_eps, dt, impl=cfg.norm_impl)
+        return y, cca_state, attend_state
+
 
 class LMHead(nnx.Module):
     """The untied head weight and/or the head bias (HF keeps lm_head.bias even when the weight is tied)."""

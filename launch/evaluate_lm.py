@@ -1,0 +1,54 @@
+"""python -m launch.evaluate_lm --checkpoint PATH --tasks T1,T2 : lm-evaluation-harness tasks on a checkpoint.
+
+PATH: a Hugging Face ZAYA directory or an Orbax training run (see launch.generate). Needs `pip install lm_eval`.
+--include-path adds a folder of task YAML files (local tasks, e.g. tests/data/lm_eval_toy).
+
+  python -m launch.evaluate_lm --checkpoint runs/default --tasks zaya_toy_mc --include-path tests/data/lm_eval_toy
+  python -m launch.evaluate_lm --checkpoint ZAYA1_DIR --tasks hellaswag,arc_easy --max-length 4096 --output r.json
+"""
+
+import argparse
+import json
+import sys
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--tasks", required=True, help="comma-separated lm_eval task names")
+    ap.add_argument("--include-path", default=None, help="folder with extra task YAML files")
+    ap.add_argument("--tokenizer", default=None, help="'byte', tokenizer.json or a folder holding one")
+    ap.add_argument("--step", type=int, default=None)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--max-length", type=int, default=2048, help="longest scored/generated sequence")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--max-gen-toks", type=int, default=256)
+    ap.add_argument("--num-fewshot", type=int, default=None)
+    ap.add_argument("--limit", type=float, default=None, help="examples per task (testing only)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--output", default=None, help="write lm_eval's results JSON here")
+    args = ap.parse_args(argv)
+
+    try:
+        import lm_eval
+        from lm_eval.tasks import TaskManager
+        from lm_eval.utils import make_table
+    except ImportError:
+        sys.exit("evaluate_lm: lm_eval is not installed (pip install lm_eval)")
+    from zaya_jax.inference.lm_eval_adapter import ZayaLM
+
+    lm = ZayaLM.from_checkpoint(args.checkpoint, tokenizer=args.tokenizer, dtype=args.dtype, step=args.step,
+                                max_length=args.max_length, batch_size=args.batch_size,
+                                max_gen_toks=args.max_gen_toks, seed=args.seed)
+    out = lm_eval.simple_evaluate(model=lm, tasks=args.tasks.split(","), num_fewshot=args.num_fewshot,
+                                  limit=args.limit, task_manager=TaskManager(include_path=args.include_path),
+                                  random_seed=args.seed, numpy_random_seed=args.seed, bootstrap_iters=0)
+    print(make_table(out))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(out["results"], f, indent=1, default=str)
+    return out["results"]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""python -m launch.generate --checkpoint PATH --prompt TEXT [--prompt TEXT ...] : text from a checkpoint.
+
+PATH: a Hugging Face ZAYA directory (config.json + safetensors) or an Orbax training run (its workdir or
+checkpoints/ folder; --step picks a step, default the latest). Prompts are batched with left padding; greedy by
+default, --temperature/--top-k/--top-p sample (--seed). Generation stops at the tokenizer's EOS (or --stop-token)
+or after --max-new-tokens.
+
+  python -m launch.generate --checkpoint runs/default --prompt "def main(" --max-new-tokens 64
+  python -m launch.generate --checkpoint ZAYA1_DIR --prompt "The capital of France is" --temperature 0.7 --top-p 0.9
+"""
+
+import argparse
+import sys
+
+import jax
+
+from zaya_jax.checkpoint.errors import ZayaCheckpointError
+from zaya_jax.checkpoint.manager import CheckpointError
+from zaya_jax.data.tokenizer import load_tokenizer
+from zaya_jax.inference import Decoder, Sampling
+from zaya_jax.inference.loading import is_hf_directory, load_model
+from zaya_jax.inference.text import complete
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", required=True, help="HF directory or Orbax run/checkpoints folder")
+    ap.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
+    ap.add_argument("--tokenizer", default=None, help="'byte', tokenizer.json or a folder holding one (default: "
+                    "the checkpoint folder for HF directories, else 'byte')")
+    ap.add_argument("--step", type=int, default=None, help="Orbax checkpoint step (default: latest)")
+    ap.add_argument("--dtype", default="float32", help="compute dtype: float32 | bfloat16")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--stop-token", type=int, action="append", default=None,
+                    help="token id that ends a row (repeatable; default: the tokenizer's EOS)")
+    args = ap.parse_args(argv)
+
+    try:
+        sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+        model = load_model(args.checkpoint, dtype=args.dtype, step=args.step)
+    except (ValueError, ZayaCheckpointError, CheckpointError) as e:
+        sys.exit(f"generate: {e}")
+    tokenizer = load_tokenizer(args.tokenizer or (args.checkpoint if is_hf_directory(args.checkpoint) else "byte"))
+    texts = complete(Decoder(model), tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                     key=jax.random.key(args.seed), stop_tokens=args.stop_token)
+    for prompt, text in zip(args.prompt, texts):
+        print(f"{prompt}{text}")
+    return texts
+
+
+if __name__ == "__main__":
+    main()

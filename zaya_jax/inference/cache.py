@@ -1,0 +1,97 @@
+"""The fixed-shape decode cache: every layer's K/V, CCA convolution halo and delayed value, stacked on the layer
+axis so the layer scan reads and writes one slice per layer.
+
+Rows are left-padded as in HF generation: all rows write the same slot `index`, `kv_valid` marks which slots
+hold real tokens (pads never become keys) and `lengths` counts each row's real tokens, which is also the RoPE
+position of its next token (HF generate derives positions as cumsum(attention_mask) - 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from zaya_jax.model.cca import CCAState
+from zaya_jax.model.zaya import ZayaForCausalLM
+from zaya_jax.ops.attention import attention_reference
+
+
+@dataclasses.dataclass
+class KVCache:
+    k: jax.Array  # [L, B, S, KV, d] keys after QK-norm, key temperature and RoPE (what HF caches)
+    v: jax.Array  # [L, B, S, KV, d] values (head 0 current-token, head 1 delayed projection)
+
+
+@dataclasses.dataclass
+class DecodeCache:
+    kv: KVCache
+    cca: CCAState  # conv [L, B, P, C] last raw [q | k] columns; value [L, B, KV*d/2] last delayed projection
+    kv_valid: jax.Array  # [B, S] bool: slot holds a real (non-pad) token
+    lengths: jax.Array  # [B] int32: real tokens so far = RoPE position of the next token
+    index: jax.Array  # [] int32: slots written so far (shared by all rows)
+
+    @property
+    def max_length(self) -> int:
+        return self.kv.k.shape[2]
+
+
+jax.tree_util.register_dataclass(KVCache, data_fields=["k", "v"], meta_fields=[])
+jax.tree_util.register_dataclass(DecodeCache, data_fields=["kv", "cca", "kv_valid", "lengths", "index"],
+                                 meta_fields=[])
+
+
+def init_cache(model: ZayaForCausalLM, batch: int, max_length: int) -> DecodeCache:
+    """An empty cache in the model's compute dtype. The delayed-value state starts as v_proj_delayed(0) (its bias,
+    zero without attention_bias): what the first token of a sequence sees as its previous-token value."""
+    cfg = model.cfg
+    dt = jnp.dtype(cfg.dtype)
+    L, KV, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    kv_shape = (L, batch, max_length, KV, d)
+    v_delayed = model.model.layers.self_attn.qkv_proj.v_proj_delayed
+    if v_delayed.bias is None:
+        value = jnp.zeros((L, batch, KV * d // 2), dt)
+    else:  # Linear adds its bias in fp32, then casts
+        value = jnp.broadcast_to(v_delayed.bias[...].astype(jnp.float32).astype(dt)[:, None], (L, batch, KV * d // 2))
+    return DecodeCache(
+        kv=KVCache(jnp.zeros(kv_shape, dt), jnp.zeros(kv_shape, dt)),
+        cca=CCAState(conv=jnp.zeros((L, batch, cfg.conv_halo, cfg.conv_channels), dt), value=value),
+        kv_valid=jnp.zeros((batch, max_length), bool),
+        lengths=jnp.zeros((batch,), jnp.int32),
+        index=jnp.zeros((), jnp.int32))
+
+
+def chunk_positions(cache: DecodeCache, token_mask):
+    """RoPE positions of a chunk [B, T]: each row continues from its real-token count; pads get 0 (as HF)."""
+    counted = cache.lengths[:, None] + jnp.cumsum(token_mask.astype(jnp.int32), axis=1) - 1
+    return jnp.where(token_mask, counted, 0)
+
+
+def cached_attention(cache: DecodeCache, token_mask):
+    """attend(kv_l, q, k, v, window) for ZayaModel.forward_with_layer_state: writes the chunk's K/V at slots
+    [index, index + T) of one layer's cache and attends over every slot written so far (causal in slot order,
+    pads masked, sliding windows counted in slots as HF counts cache positions)."""
+    T = token_mask.shape[1]
+    S = cache.max_length
+    index = cache.index
+    kv_valid = jax.lax.dynamic_update_slice(cache.kv_valid, token_mask.astype(bool), (0, index))
+    q_slots = (index + jnp.arange(T, dtype=jnp.int32))[None]
+    kv_slots = jnp.arange(S, dtype=jnp.int32)[None]
+
+    def attend(kv_l: KVCache, q, k, v, sliding_window):
+        start = (0, index, 0, 0)
+        k_all = jax.lax.dynamic_update_slice(kv_l.k, k.astype(kv_l.k.dtype), start)
+        v_all = jax.lax.dynamic_update_slice(kv_l.v, v.astype(kv_l.v.dtype), start)
+        o = attention_reference(q, k_all.astype(q.dtype), v_all.astype(q.dtype), q_positions=q_slots,
+                                kv_positions=kv_slots, kv_valid=kv_valid, sliding_window=sliding_window)
+        return o, KVCache(k_all, v_all)
+
+    return attend, kv_valid
+
+
+def advance(cache: DecodeCache, kv: KVCache, cca: CCAState, kv_valid, token_mask) -> DecodeCache:
+    T = token_mask.shape[1]
+    return DecodeCache(kv=kv, cca=cca, kv_valid=kv_valid,
+                       lengths=cache.lengths + token_mask.astype(jnp.int32).sum(axis=1),
+                       index=cache.index + T)

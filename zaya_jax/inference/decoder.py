@@ -1,0 +1,95 @@
+"""Prefill and single-token decode over a DecodeCache, jit-compiled with the cache donated.
+
+    decoder = Decoder(model)
+    cache = decoder.init_cache(batch=2, max_length=128)
+    logits, cache = decoder.prefill(cache, ids, mask)     # [B, V] logits of each row's last prompt token
+    logits, cache = decoder.step(cache, next_tokens)      # [B, V] for the token just fed
+
+Both calls consume `cache` (its buffers are donated): use the returned one. A chunk that does not fit in the
+cache returns NaN logits instead of silently overwriting old slots.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zaya_jax.inference.cache import (
+    DecodeCache,
+    advance,
+    cached_attention,
+    chunk_positions,
+    init_cache,
+)
+from zaya_jax.model.zaya import ZayaForCausalLM
+
+
+def extend(model: ZayaForCausalLM, cache: DecodeCache, input_ids, token_mask=None, *, all_logits: bool = True):
+    """Runs a chunk [B, T] (T >= 1, token_mask [B, T] 1 = real token, None = all real) through the model on top
+    of `cache`. Returns (fp32 logits [B, T, V], or [B, 1, V] for the last position only, and the cache including
+    the chunk)."""
+    B, T = input_ids.shape
+    all_real = token_mask is None
+    token_mask = jnp.ones((B, T), bool) if all_real else token_mask.astype(bool)
+    positions = chunk_positions(cache, token_mask)
+    attend, kv_valid = cached_attention(cache, token_mask)
+    # HF zeroes padded tokens before the CCA projections only for multi-token chunks with padding
+    conv_mask = None if all_real or T == 1 else token_mask
+    y, cca, kv = model.model.forward_with_layer_state(input_ids, positions=positions, cca_state=cache.cca,
+                                                      attend_state=cache.kv, attend=attend,
+                                                      attention_mask=conv_mask)
+    logits = model.logits(y if all_logits else y[:, -1:])  # a long prompt's [T, vocab] logits are large
+    fits = cache.index + T <= cache.max_length
+    logits = jnp.where(fits, logits, jnp.nan)
+    return logits, advance(cache, kv, cca, kv_valid, token_mask)
+
+
+class Decoder:
+    """Jitted prefill/step for one model; the parameters are arguments (not constants) of every compiled call."""
+
+    def __init__(self, model: ZayaForCausalLM):
+        self.cfg = model.cfg
+        self.graphdef, self.state = nnx.split(model)
+        self._prefill = jax.jit(functools.partial(_prefill, self.graphdef), donate_argnums=1,
+                                static_argnames="all_logits")
+        self._step = jax.jit(functools.partial(_step, self.graphdef), donate_argnums=1)
+        self._init = jax.jit(functools.partial(_init, self.graphdef), static_argnums=(1, 2))
+        self._bound = {}
+
+    def bind(self, fn, **jit_options):
+        """jax.jit(fn with this model's graphdef as first argument), compiled once per decoder: fn(graphdef, state,
+        ...) builds the model inside the trace (the graphdef holds the config, which is not hashable)."""
+        if fn not in self._bound:
+            self._bound[fn] = jax.jit(functools.partial(fn, self.graphdef), **jit_options)
+        return self._bound[fn]
+
+    def init_cache(self, batch: int, max_length: int) -> DecodeCache:
+        return self._init(self.state, batch, max_length)
+
+    def prefill(self, cache: DecodeCache, input_ids, attention_mask=None, *, all_logits: bool = False):
+        """Left-padded prompts [B, T] (attention_mask 1 = real token). Returns (logits, cache): [B, V] for the
+        last position, or [B, T, V] with all_logits."""
+        ids = jnp.asarray(input_ids, jnp.int32)
+        mask = None if attention_mask is None else jnp.asarray(attention_mask, bool)
+        return self._prefill(self.state, cache, ids, mask, all_logits=all_logits)
+
+    def step(self, cache: DecodeCache, tokens):
+        """One new token per row [B]. Returns (logits [B, V], cache)."""
+        return self._step(self.state, cache, jnp.asarray(tokens, jnp.int32))
+
+
+def _init(graphdef, state, batch, max_length):
+    return init_cache(nnx.merge(graphdef, state), batch, max_length)
+
+
+def _prefill(graphdef, state, cache, ids, mask, *, all_logits):
+    logits, cache = extend(nnx.merge(graphdef, state), cache, ids, mask, all_logits=all_logits)
+    return (logits if all_logits else logits[:, 0]), cache
+
+
+def _step(graphdef, state, cache, tokens):
+    logits, cache = extend(nnx.merge(graphdef, state), cache, tokens[:, None])
+    return logits[:, 0], cache

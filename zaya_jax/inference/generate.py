@@ -1,0 +1,127 @@
+"""Batched generation: left-padded prompts, a jitted prefill, then one jitted decode loop (lax.while_loop over
+single-token steps with the cache donated) that stops when every row has emitted a stop token or after
+max_new_tokens. As HF generate: positions continue each row's real-token count, and a row that has stopped keeps
+receiving the pad token (its output is pad from then on).
+
+    gen = generate(Decoder(model), [[2, 17, 5], [2, 9]], max_new_tokens=32, stop_tokens=[1])
+    gen.tokens[i, :gen.lengths[i]]                                # row i's new tokens (stop token included)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from zaya_jax.inference.decoder import Decoder, extend
+from zaya_jax.inference.sampling import GREEDY, Sampling, choose
+
+
+@dataclasses.dataclass
+class Generation:
+    tokens: np.ndarray  # [B, max_new_tokens] int32; pad after a row stopped (or after the loop ended)
+    lengths: np.ndarray  # [B] new tokens per row, its stop token included
+    stopped: np.ndarray  # [B] bool: the row ended on a stop token
+
+    def row(self, i: int) -> list[int]:
+        return self.tokens[i, : self.lengths[i]].tolist()
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, multiple: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """(ids [B, T], mask [B, T]) with T = the longest prompt rounded up to `multiple` (fewer compiled shapes;
+    extra pads change nothing: they are masked keys and zeroed CCA inputs)."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    T = -(-max(len(p) for p in prompts) // multiple) * multiple
+    ids = np.full((len(prompts), T), pad_id, np.int32)
+    mask = np.zeros((len(prompts), T), np.int32)
+    for row, p in enumerate(prompts):
+        ids[row, T - len(p):] = p
+        mask[row, T - len(p):] = 1
+    return ids, mask
+
+
+def generate(decoder: Decoder, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+             sampling: Sampling = GREEDY, stop_tokens: Sequence[int] = (), key=None, pad_id: int | None = None,
+             pad_multiple: int = 8) -> Generation:
+    pad_id = _pad_id(decoder, pad_id)
+    ids, mask = left_pad(prompts, pad_id, pad_multiple)
+    return generate_padded(decoder, ids, mask, max_new_tokens=max_new_tokens, sampling=sampling,
+                           stop_tokens=stop_tokens, key=key, pad_id=pad_id)
+
+
+def generate_padded(decoder: Decoder, input_ids, attention_mask=None, *, max_new_tokens: int,
+                    sampling: Sampling = GREEDY, stop_tokens: Sequence[int] = (), key=None,
+                    pad_id: int | None = None) -> Generation:
+    """input_ids [B, T] left-padded, attention_mask [B, T] (1 = real token; None = no padding)."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    ids = np.asarray(input_ids, np.int32)
+    mask = None if attention_mask is None else np.asarray(attention_mask, np.int32)
+    if mask is not None:
+        _check_left_padded(mask)
+    pad_id = _pad_id(decoder, pad_id)
+    B, T = ids.shape
+    cache = decoder.init_cache(B, T + max_new_tokens)
+    first_logits, cache = decoder.prefill(cache, ids, mask)
+    stops = jnp.asarray(list(stop_tokens) or [-1], jnp.int32)
+    key = jax.random.key(0) if key is None else key
+    loop = decoder.bind(_decode_loop, static_argnames=("sampling", "max_new_tokens"), donate_argnums=1)
+    tokens, lengths, stopped, _ = loop(decoder.state, cache, first_logits, key, stops, jnp.int32(pad_id),
+                                    sampling=sampling, max_new_tokens=max_new_tokens)
+    return Generation(np.asarray(tokens), np.asarray(lengths), np.asarray(stopped))
+
+
+def _decode_loop(graphdef, state, cache, first_logits, key, stops, pad_id, *, sampling, max_new_tokens):
+    model = nnx.merge(graphdef, state)
+    B = first_logits.shape[0]
+
+    def pick(logits, key, stopped):
+        key, sub = jax.random.split(key)
+        tok = jnp.where(stopped, pad_id, choose(logits, sub, sampling))
+        return tok, key
+
+    def record(i, tok, out, lengths, stopped):
+        out = jax.lax.dynamic_update_slice(out, tok[:, None], (0, i))
+        lengths = lengths + (~stopped).astype(jnp.int32)
+        stopped = stopped | (tok[:, None] == stops[None]).any(axis=-1)
+        return out, lengths, stopped
+
+    out = jnp.full((B, max_new_tokens), pad_id, jnp.int32)
+    lengths, stopped = jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool)
+    tok, key = pick(first_logits, key, stopped)
+    out, lengths, stopped = record(0, tok, out, lengths, stopped)
+
+    def cond(carry):
+        i, _, _, _, _, stopped, _ = carry
+        return (i < max_new_tokens) & ~stopped.all()
+
+    def body(carry):
+        i, cache, out, last, lengths, stopped, key = carry
+        logits, cache = extend(model, cache, last[:, None])
+        tok, key = pick(logits[:, 0], key, stopped)
+        out, lengths, stopped = record(i, tok, out, lengths, stopped)
+        return i + 1, cache, out, tok, lengths, stopped, key
+
+    carry = (jnp.int32(1), cache, out, tok, lengths, stopped, key)
+    _, cache, out, _, lengths, stopped, _ = jax.lax.while_loop(cond, body, carry)
+    return out, lengths, stopped, cache  # returning the cache lets its donated buffers carry the loop state
+
+
+def _pad_id(decoder: Decoder, pad_id: int | None) -> int:
+    pad_id = decoder.cfg.pad_token_id if pad_id is None else pad_id
+    if pad_id is None:
+        raise ValueError("no pad token id: the model config has none, pass pad_id")
+    return int(pad_id)
+
+
+def _check_left_padded(mask: np.ndarray) -> None:
+    real = mask > 0
+    if not real[:, -1].all():
+        raise ValueError("attention_mask: every row must end with a real token (left padding, as HF generate)")
+    if (np.diff(real.astype(np.int8), axis=1) < 0).any():
+        raise ValueError("attention_mask: padding must be on the left only (a real token is followed by a pad)")

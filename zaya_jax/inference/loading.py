@@ -1,0 +1,72 @@
+"""A model for inference from either checkpoint format:
+
+- a Hugging Face directory (config.json + safetensors), read by zaya_jax.from_hf;
+- an Orbax training checkpoint (a run's workdir or its checkpoints/ folder): the model config comes from the
+  checkpoint's meta item, params and balancing biases from its state (the optimizer state is not read).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.sharding import SingleDeviceSharding
+
+from zaya_jax.checkpoint.hf import CONFIG_FILE, from_hf
+from zaya_jax.checkpoint.manager import CheckpointError, restore_subset
+from zaya_jax.config import ModelConfig
+from zaya_jax.model import ZayaForCausalLM
+from zaya_jax.model.base import BalancingBias
+
+
+def is_hf_directory(path) -> bool:
+    return (Path(path) / CONFIG_FILE).is_file()
+
+
+def load_model(path, *, dtype: str = "float32", step: int | None = None, **overrides) -> ZayaForCausalLM:
+    """`dtype` is the compute dtype; `overrides` set other non-HF ModelConfig fields (moe_impl, attention_impl)."""
+    if is_hf_directory(path):
+        if step is not None:
+            raise ValueError(f"{path} is a Hugging Face directory: it has no steps to choose from")
+        return from_hf(path, dtype=jnp.dtype(dtype), **overrides)
+    return load_orbax(path, dtype=dtype, step=step, **overrides)
+
+
+def orbax_directory(path) -> str:
+    """The folder holding the numbered checkpoints: `path` itself or its checkpoints/ child (a run's workdir)."""
+    child = os.path.join(path, "checkpoints")
+    directory = child if os.path.isdir(child) else path
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"{path}: neither a Hugging Face directory (no {CONFIG_FILE}) nor an Orbax "
+                              f"checkpoint folder")
+    return os.path.abspath(directory)
+
+
+def read_meta(directory: str, step: int | None = None) -> tuple[int, dict]:
+    mngr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True))
+    step = mngr.latest_step() if step is None else step
+    if step is None:
+        raise CheckpointError(f"no finished checkpoint in {directory}")
+    if step not in mngr.all_steps():
+        raise CheckpointError(f"no checkpoint for step {step} in {directory} (have {sorted(mngr.all_steps())})")
+    meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    if "model" not in meta:
+        raise CheckpointError(f"{directory} step {step}: its meta has no model config")
+    return step, meta
+
+
+def load_orbax(path, *, dtype: str = "float32", step: int | None = None, **overrides) -> ZayaForCausalLM:
+    directory = orbax_directory(path)
+    step, meta = read_meta(directory, step)
+    cfg = ModelConfig.from_hf_dict(meta["model"], dtype=jnp.dtype(dtype).name, **overrides)
+    abstract = nnx.eval_shape(lambda: ZayaForCausalLM(cfg, rngs=nnx.Rngs(0)))
+    graphdef, params, model_state = nnx.split(abstract, nnx.Param, BalancingBias)
+    device = SingleDeviceSharding(jax.devices()[0])
+    wanted = {"params": nnx.to_pure_dict(params), "model_state": nnx.to_pure_dict(model_state)}
+    wanted = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), wanted)
+    _, restored = restore_subset(directory, wanted, step=step)
+    return nnx.merge(graphdef, restored["params"], restored["model_state"])
