@@ -44,10 +44,14 @@ class CCAProjection(nnx.Module):
         self.conv_qk_depthwise = _Conv(init(rngs.params(), (C, 1, cfg.cca_time0), pdt), jnp.zeros((C,), pdt))
         self.conv_qk_grouped = _Conv(init(rngs.params(), (C, d, cfg.cca_time1), pdt), jnp.zeros((C,), pdt))
 
-    def __call__(self, x, *, conv_mask=None, state: CCAState | None = None, segment_ids=None):
+    def __call__(self, x, *, conv_mask=None, state: CCAState | None = None, segment_ids=None, exchange=None):
         """x: [B, T, D] (compute dtype). Returns q [B,T,H,d], k [B,T,KV,d], v [B,T,KV,d] and the CCAState at the
         end of this chunk (for caches and context-parallel neighbours). With segment_ids [B, T] (packed documents
-        with resets) every document starts as a sequence does: zero conv halo, zero delayed-value input."""
+        with resets) every document starts as a sequence does: zero conv halo, zero delayed-value input.
+
+        exchange(tail, start) -> CCAState (context parallelism, zaya_jax/parallel/context.py) replaces `state`:
+        given this chunk's own boundary state `tail` and the sequence-start state `start`, it returns the state
+        this chunk starts from (the previous chunk's tail, fetched from the rank that holds it)."""
         cfg = self.cfg
         B, T, _ = x.shape
         H, KV, d, g = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.num_kv_groups
@@ -63,14 +67,19 @@ class CCAProjection(nnx.Module):
 
         qk = jnp.concatenate([q, k], axis=-1)  # channels [q heads | k heads]
         P = cfg.conv_halo
+        v_cur = self.v_proj_current(x)
+        v_del = self.v_proj_delayed(x)
+        if exchange is not None:  # context parallel: the halo and delayed value come from the previous chunk
+            tail = CCAState(conv=qk[:, T - P:], value=v_del[:, -1])
+            zeros = jnp.zeros((B, 1, x.shape[-1]), dt)
+            start = CCAState(conv=jnp.zeros((B, P, qk.shape[-1]), dt), value=self.v_proj_delayed(zeros)[:, 0])
+            state = exchange(tail, start)
         prefix = jnp.zeros((B, P, qk.shape[-1]), dt) if state is None or state.conv is None else state.conv.astype(dt)
         qk_padded = jnp.concatenate([prefix, qk], axis=1)
         z = self._convolve(qk_padded, _same_segment(segment_ids, P))
         q = z[..., : H * d].reshape(B, T, H, d) + q_res
         k = z[..., H * d:].reshape(B, T, KV, d) + k_res
 
-        v_cur = self.v_proj_current(x)
-        v_del = self.v_proj_delayed(x)
         if state is None or state.value is None:  # v_proj_delayed(0): zero, or the bias with attention_bias
             v0 = self.v_proj_delayed(jnp.zeros((B, 1, x.shape[-1]), dt))
         else:
@@ -181,11 +190,12 @@ class CCAttention(nnx.Module):
         self.o_proj = Linear(cfg, H * d, D, bias=cfg.attention_bias, rngs=rngs)
 
     def __call__(self, x, *, positions, inv_freq, sliding_window=None, attention_mask=None, state=None,
-                 attend=None, segment_ids=None):
+                 attend=None, segment_ids=None, cca_exchange=None):
         """positions: RoPE positions [B, T]; causal order is the row index. attend(q, k, v) -> o overrides the
-        attention call (caches and context parallelism plug in here)."""
+        attention call (caches and context parallelism plug in here); cca_exchange: see CCAProjection."""
         B, T, _ = x.shape
-        q, k, v, new_state = self.qkv_proj(x, conv_mask=attention_mask, state=state, segment_ids=segment_ids)
+        q, k, v, new_state = self.qkv_proj(x, conv_mask=attention_mask, state=state, segment_ids=segment_ids,
+                                           exchange=cca_exchange)
         q, k = self.qk_norm(q, k)
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)

@@ -42,14 +42,14 @@ class DecoderLayer(nnx.Module):
         self.post_mlp_residual_scale = ResidualScaling(cfg)
 
     def __call__(self, h, router_state, *, state_scale, positions, inv_freq, sliding_window=None,
-                 attention_mask=None, cca_state=None, attend=None, segment_ids=None):
+                 attention_mask=None, cca_state=None, attend=None, segment_ids=None, cca_exchange=None):
         """h: fp32 residual [B,T,D]. Returns (h, router_state, expert counts [E+1], CCA state at chunk end)."""
         cfg = self.cfg
         dt, eps, impl = dtypes(cfg)[0], cfg.rms_norm_eps, cfg.norm_impl
         x = norm_ops.rms_norm(h, self.input_layernorm.weight[...], eps, dt, impl=impl)
         a, cca_state = self.self_attn(x, positions=positions, inv_freq=inv_freq, sliding_window=sliding_window,
                                       attention_mask=attention_mask, state=cca_state, attend=attend,
-                                      segment_ids=segment_ids)
+                                      segment_ids=segment_ids, cca_exchange=cca_exchange)
         a = checkpoint_name(a, "attention_out")
         h, x = norm_ops.merge_rms_norm(a, h, *self.post_attention_residual_scale.vectors(),
                                        self.post_attention_layernorm.weight[...], eps, dt, impl=impl)

@@ -74,11 +74,13 @@ class ZayaModel(nnx.Module):
                                  for t in cfg.layer_types], jnp.int32)
         return state_scale, inv_freq, windows
 
-    def __call__(self, input_ids, attention_mask=None, positions=None, segment_ids=None):
+    def __call__(self, input_ids, attention_mask=None, positions=None, segment_ids=None, *, attend=None,
+                 cca_exchange=None):
         """Returns (final normed hidden states [B,T,D] in the compute dtype, ForwardAux).
 
         positions: RoPE positions (default 0..T-1); segment_ids: packed documents that must not see each other
-        (attention, convolutions and the value shift all restart at a document start)."""
+        (attention, convolutions and the value shift all restart at a document start). attend / cca_exchange:
+        the context-parallel attention and CCA boundary exchange (zaya_jax/parallel/context.py), every layer."""
         cfg = self.cfg
         dt = dtypes(cfg)[0]
         B, T = input_ids.shape
@@ -87,7 +89,8 @@ class ZayaModel(nnx.Module):
         e = jnp.take(self.embed_tokens.weight[...], input_ids, axis=0).astype(jnp.float32)
         h = (e + self.input_hidden_states_bias[...].astype(jnp.float32)) * self.input_hidden_states_scale[...].astype(
             jnp.float32)
-        router_state = jnp.zeros((B, T, cfg.router_hidden_size), jnp.float32)
+        # zeros_like(h): under shard_map (context parallelism) the scan carry must vary over the mesh axes as h does
+        router_state = jnp.zeros_like(h, shape=(B, T, cfg.router_hidden_size))
         state_scale, inv_freq, windows = self._per_layer_inputs()
         uniform_window = cfg.sliding_window if set(cfg.layer_types) == {"hybrid_sliding"} else None
         graphdef, layer_state = nnx.split(self.layers)
@@ -102,7 +105,7 @@ class ZayaModel(nnx.Module):
                 window_arg = uniform_window
             h, r, counts, _ = layer(h, r, state_scale=scale, positions=positions, inv_freq=freq,
                                     sliding_window=window_arg, attention_mask=attention_mask,
-                                    segment_ids=segment_ids)
+                                    segment_ids=segment_ids, attend=attend, cca_exchange=cca_exchange)
             return (h, r), counts
 
         if cfg.remat != "none":
@@ -184,9 +187,11 @@ class ZayaForCausalLM(nnx.Module):
     def __call__(self, input_ids, attention_mask=None, positions=None, segment_ids=None):
         return self.forward(input_ids, attention_mask, positions, segment_ids)[0]
 
-    def forward(self, input_ids, attention_mask=None, positions=None, segment_ids=None):
-        """Returns (fp32 logits, ForwardAux)."""
-        y, aux = self.model(input_ids, attention_mask, positions, segment_ids)
+    def forward(self, input_ids, attention_mask=None, positions=None, segment_ids=None, *, attend=None,
+                cca_exchange=None):
+        """Returns (fp32 logits, ForwardAux). attend / cca_exchange: context parallelism (see ZayaModel)."""
+        y, aux = self.model(input_ids, attention_mask, positions, segment_ids, attend=attend,
+                            cca_exchange=cca_exchange)
         return self.logits(y), aux
 
     def head_weight(self):

@@ -25,6 +25,8 @@ argument, defaults included, into an array, and every callable into a schedule: 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -59,6 +61,27 @@ def shape_scale_factor(shape, rule: str = "moonlight", *, rms=0.2, orientation: 
 
 DEFAULT_NS_STEPS = 5
 
+# Where Newton-Schulz runs is a placement choice, not a numeric one: every matrix is orthogonalised on its own
+# either way. An orthogonaliser maps (list of N-inputs, ns) -> list of outputs, ns(x) orthogonalising every
+# matrix of x [..., m, n]. The default runs ns on each leaf where it is; ZeRO-1 (zaya_jax/parallel/muon_dist.py)
+# installs whole-matrix ownership across the data axis while the optimizer update is traced.
+_ORTHOGONALIZER: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("muon_orthogonalizer",
+                                                                                 default=None)
+
+
+def _each_leaf(inputs, ns):
+    return [ns(x) for x in inputs]
+
+
+@contextlib.contextmanager
+def orthogonalizer(fn: Callable):
+    """Muon updates traced inside this context orthogonalise through fn(inputs, ns) -> outputs."""
+    token = _ORTHOGONALIZER.set(fn)
+    try:
+        yield
+    finally:
+        _ORTHOGONALIZER.reset(token)
+
 
 def _check_static(ns_steps, shape_scale, orientation, gram_impl):
     if not isinstance(ns_steps, int):
@@ -88,20 +111,26 @@ def scale_by_muon(momentum=0.95, *, nesterov: bool = True, ns_steps: int | None 
         return MuonState(count=jnp.zeros([], jnp.int32),
                          momentum=jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
 
-    def direction(g, m):
+    def ns(x):
+        return newton_schulz(x, steps=ns_steps, coeffs=ns_coeffs, dtype=ns_dtype, eps=eps, gram_impl=gram_impl)
+
+    def momentum_step(g, m):
         g32 = g.astype(jnp.float32)
         m = momentum * m + g32
-        n = g32 + momentum * m if nesterov else m
-        o = newton_schulz(n, steps=ns_steps, coeffs=ns_coeffs, dtype=ns_dtype, eps=eps, gram_impl=gram_impl)
+        return (g32 + momentum * m if nesterov else m), m
+
+    def scaled(o, g):
         scale = shape_scale_factor(g.shape, shape_scale, rms=rms, orientation=orientation)
-        return (o.astype(jnp.float32) * scale).astype(g.dtype), m
+        return (o.astype(jnp.float32) * scale).astype(g.dtype)
 
     def update_fn(updates, state, params=None):
         del params
         grads, treedef = jax.tree.flatten(updates)
-        results = [direction(g, m) for g, m in zip(grads, treedef.flatten_up_to(state.momentum))]
-        new_updates = treedef.unflatten([o for o, _ in results])
-        new_momentum = treedef.unflatten([m for _, m in results])
+        stepped = [momentum_step(g, m) for g, m in zip(grads, treedef.flatten_up_to(state.momentum))]
+        orthogonalize = _ORTHOGONALIZER.get() or _each_leaf
+        outs = orthogonalize([n for n, _ in stepped], ns)
+        new_updates = treedef.unflatten([scaled(o, g) for o, g in zip(outs, grads)])
+        new_momentum = treedef.unflatten([m for _, m in stepped])
         return new_updates, MuonState(count=optax.safe_increment(state.count), momentum=new_momentum)
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -120,4 +149,5 @@ def muon(learning_rate: optax.ScalarOrSchedule, momentum=0.95, weight_decay=0.0,
     )
 
 
-__all__ = ["MuonState", "SHAPE_SCALES", "ORIENTATIONS", "muon", "scale_by_muon", "shape_scale_factor"]
+__all__ = ["MuonState", "SHAPE_SCALES", "ORIENTATIONS", "muon", "orthogonalizer", "scale_by_muon",
+           "shape_scale_factor"]

@@ -27,14 +27,16 @@ from zaya_jax.optim.balancing import BalancerConfig, init_balancer
 from zaya_jax.optim.optimizer import OptimizerConfig, build_optimizer, learning_rates, partition_table
 from zaya_jax.parallel.config import ParallelConfig
 from zaya_jax.parallel.context import ContextParallel
+from zaya_jax.parallel.data_parallel import sharded_value_and_grad
 from zaya_jax.parallel.distributed import maybe_initialize
 from zaya_jax.parallel.mesh import describe_mesh, make_mesh
-from zaya_jax.parallel.sharding import combine_threshold_options, describe_optimizer_memory, state_shardings, zero1
+from zaya_jax.parallel.sharding import (combine_threshold_options, describe_optimizer_memory, state_shardings, zero1,
+                                         zero1_spec_fn, zero_axes)
 from zaya_jax.parallel.zigzag import Zigzag
 from zaya_jax.train.evaluate import Evaluator
 from zaya_jax.train.flops import flops_per_token
 from zaya_jax.train.metrics import MetricsWriter, Throughput
-from zaya_jax.train.step import make_context_parallel_loss_fn, make_train_step
+from zaya_jax.train.step import make_local_loss_sums, make_train_step
 
 # Dense bf16 peak FLOP/s per device kind, for MFU (vendor figures; override with train.peak_tflops).
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "MI300X": 1307.4, "MI325X": 1307.4, "MI355X": 2516.6, "A100": 312.0}
@@ -211,15 +213,19 @@ def run(config: ConfigDict, workdir: str, *, log=print) -> dict:
                         seed=config.seed, rank=jax.process_index(), num_ranks=jax.process_count(), state=data_state,
                         prefetch=config.data.prefetch, vocab_size=cfg.vocab_size)
     reset = bool(config.data.reset_at_documents)
-    loss_fn = None
-    if mesh.shape["context"] > 1:  # context parallelism: zigzag sequence shards, ring / all-gather attention
-        cp = ContextParallel(Zigzag(mesh.shape["context"], plan.seq_len), attention=s.parallel.context_attention,
-                             impl=cfg.attention_impl)
-        cp.check(cfg)
-        loss_fn = make_context_parallel_loss_fn(s.graphdef, reset, cp, mesh)
+    grad_fn = None
+    if zero_axes(mesh):  # several devices: per-device gradients in shard_map, reduced explicitly (data_parallel.py)
+        cp = None
+        if mesh.shape["context"] > 1:  # context parallelism: zigzag sequence shards, ring / all-gather attention
+            cp = ContextParallel(Zigzag(mesh.shape["context"], plan.seq_len),
+                                 attention=s.parallel.context_attention, impl=cfg.attention_impl)
+            cp.check(cfg)
+        grad_spec_of = zero1_spec_fn(mesh) if s.parallel.zero1 else (lambda shape: P())
+        grad_fn = sharded_value_and_grad(make_local_loss_sums(s.graphdef, reset, cp), mesh, grad_spec_of,
+                                         zigzag=cp.zigzag if cp else None)
     # out_shardings pin the state's layout (ZeRO-1 shards stay shards, parameters stay replicated)
     step_fn = jax.jit(make_train_step(s.graphdef, s.tx, BalancerConfig(**dict(config.balancing)),
-                                      reset_at_documents=reset, loss_fn=loss_fn), donate_argnums=0,
+                                      reset_at_documents=reset, grad_fn=grad_fn), donate_argnums=0,
                       out_shardings=(jax.tree.map(lambda x: x.sharding, state), NamedSharding(mesh, P())),
                       compiler_options=combine_threshold_options(s.parallel.bucket_bytes))
     evaluator = Evaluator(s.graphdef, s.valid_sources, seq_len=plan.seq_len, rows=plan.micro_rows, mesh=mesh,

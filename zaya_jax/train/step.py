@@ -16,6 +16,7 @@ from flax import nnx
 
 from zaya_jax.model.loss import token_cross_entropy_terms
 from zaya_jax.optim.balancing import BalancerConfig, update_biases
+from zaya_jax.parallel.context import ContextParallel
 
 BIASES_PATH = ("model", "layers", "mlp", "gate", "balancing_biases")
 
@@ -58,13 +59,33 @@ def make_loss_fn(graphdef, reset_at_documents: bool):
     return loss_fn
 
 
+def make_local_loss_sums(graphdef, reset_at_documents: bool, cp: ContextParallel | None = None):
+    """make_loss_fn's loss as per-device sums, for data/context parallelism in shard_map
+    (zaya_jax/parallel/data_parallel.py): (sum of token losses, counted tokens, expert counts) of this device's
+    rows; with cp, of its zigzag share of their tokens (zaya_jax/parallel/context.py)."""
+
+    def local_sums(params, model_state, batch):
+        model = nnx.merge(graphdef, params, model_state)
+        extra = model_inputs(batch, reset_at_documents)
+        if cp is None:
+            logits, aux = model.forward(batch["inputs"], **extra)
+        else:
+            logits, aux = cp.local_forward(model, batch["inputs"], extra.get("positions"), extra.get("segment_ids"))
+            batch = {k: cp.rows(v) for k, v in batch.items()}
+        terms, counted = token_cross_entropy_terms(logits, batch["targets"], loss_mask(batch, reset_at_documents))
+        return terms.sum(), counted.sum(), aux.expert_counts
+
+    return local_sums
+
+
 def make_train_step(graphdef, tx: optax.GradientTransformation, balancer: BalancerConfig, *,
-                    reset_at_documents: bool = False):
-    loss_fn = make_loss_fn(graphdef, reset_at_documents)
+                    reset_at_documents: bool = False, grad_fn=None):
+    """grad_fn(params, model_state, batch) -> ((loss, expert counts), grads) replaces value_and_grad of the model
+    loss (data/context parallelism in shard_map plugs in here: zaya_jax/parallel/data_parallel.py)."""
+    grad_fn = grad_fn or jax.value_and_grad(make_loss_fn(graphdef, reset_at_documents), has_aux=True)
 
     def train_step(state: dict[str, Any], batch: dict[str, jax.Array]):
-        (loss, counts), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], state["model_state"],
-                                                                          batch)
+        (loss, counts), grads = grad_fn(state["params"], state["model_state"], batch)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         biases, balancer_state, load = update_biases(get_biases(state["model_state"]), state["balancer"], counts,
