@@ -32,8 +32,10 @@ class Generation:
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, multiple: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """(ids [B, T], mask [B, T]) with T = the longest prompt rounded up to `multiple` (fewer compiled shapes;
-    extra pads change nothing: they are masked keys and zeroed CCA inputs)."""
+    """(ids [B, T], mask [B, T]) with T = the longest prompt rounded up to `multiple` (fewer compiled shapes).
+    Extra pads change nothing without attention biases (ZAYA1): they are masked keys whose zeroed inputs give the
+    CCA convolutions the same zero halo a sequence start has. With attention biases a pad's q/k projections are
+    the biases, in HF as here, so the result then depends on the padding as HF's does."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     T = -(-max(len(p) for p in prompts) // multiple) * multiple
