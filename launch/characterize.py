@@ -15,6 +15,7 @@ Each writes OUT/<name>.json and OUT/<name>.png. The logic lives in zaya_jax/syst
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import sys
 
@@ -68,9 +69,13 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--steps", type=int, default=3)
         p.add_argument("--devices", type=int, default=0, help="data-parallel devices (0: all)")
         p.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
+        p.add_argument("--override", action="append", default=[], metavar="FIELD=VALUE",
+                       help="ModelConfig field of the profiled model, e.g. attention_impl=cudnn (repeatable)")
     sub.choices["breakdown"].add_argument("--keep-trace", action="store_true")
     sub.choices["all"].add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke run)")
     sub.choices["all"].add_argument("--local-per-node", type=int, default=None)
+    sub.choices["all"].add_argument("--stages", default=None, help="comma-separated subset of: crosscheck, hbm, "
+                                    "gemm, attention, collectives, breakdown, storage, advice")
 
     p = add("storage", "data-loading I/O model")
     p.add_argument("--global-batch-tokens", type=int, default=2 ** 24)
@@ -83,11 +88,24 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _override(text: str) -> tuple:
+    field, sep, value = text.partition("=")
+    if not sep:
+        raise SystemExit(f"--override wants FIELD=VALUE, got {text!r}")
+    try:
+        return field, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return field, value  # a bare word such as cudnn
+
+
 def _breakdown_config(args, quick: bool = False):
     from zaya_jax.systems.breakdown import BreakdownConfig
-    overrides = (("num_hidden_layers", args.layers),) if args.layers else ()
+    overrides = tuple(_override(o) for o in args.override)
+    if args.layers:
+        overrides += (("num_hidden_layers", args.layers),)
     if quick:
-        return BreakdownConfig(preset="tiny", overrides=(("num_hidden_layers", 2),), seq_len=64, rows=4, steps=2,
+        return BreakdownConfig(preset="tiny", overrides=(("num_hidden_layers", 2),) + overrides, seq_len=64, rows=4,
+                               steps=2,
                                devices=args.devices or 2, prefetch=0, fast_cpu_compile=True)
     return BreakdownConfig(preset=args.preset, overrides=overrides, seq_len=args.seq_len, rows=args.rows,
                            steps=args.steps, devices=args.devices)
@@ -129,7 +147,11 @@ def main(argv=None) -> int:
     elif args.cmd == "plot":
         suite.redraw(out)
     elif args.cmd == "all":
-        suite.run(suite.SuiteConfig(quick=args.quick, breakdown=_breakdown_config(args, args.quick),
+        stages = tuple(args.stages.split(",")) if args.stages else suite.STAGES
+        unknown = set(stages) - set(suite.STAGES)
+        if unknown:
+            raise SystemExit(f"unknown stages {sorted(unknown)}; choose from {suite.STAGES}")
+        suite.run(suite.SuiteConfig(quick=args.quick, stages=stages, breakdown=_breakdown_config(args, args.quick),
                                     local_per_node=args.local_per_node), out)
     return 0
 

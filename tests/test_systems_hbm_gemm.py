@@ -92,3 +92,11 @@ def test_attention_flops_and_roofline_by_hand(tmp_path):
                                  target_s=0.001, log=lambda *_: None)
     assert [(r["length"], r["batch"]) for r in result["records"]] == [(64, 2), (128, 1)]
     assert (tmp_path / "attention.png").stat().st_size > 1000
+
+
+def test_torch_crosscheck_says_why_it_cannot_run_here():
+    from zaya_jax.systems import crosscheck
+    if jax.default_backend() != "cpu":
+        pytest.skip("a GPU may well have torch")
+    figures, why = crosscheck.torch_ceilings(timeout_s=120)
+    assert figures is None and why  # no GPU on the CPU runner: a reason, never made-up numbers

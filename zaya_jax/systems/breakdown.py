@@ -44,11 +44,17 @@ class BreakdownConfig:
     fast_cpu_compile: bool = False  # CPU smoke runs: LLVM at -O0 (HLO passes unchanged; timings not meaningful)
 
 
-def _batches(cfg, bc: BreakdownConfig, vocab_size: int):
+def _batches(cfg, bc: BreakdownConfig, vocab_size: int, log=print):
+    """The trainer's data iterator over the built-in corpus (byte tokens); without background prefetch when its
+    prefetch library is missing (then data loading shows up in full on the step)."""
     tok = load_tokenizer("byte")
     corpus = builtin_corpus(tok)
-    return train_iterator(corpus.train, {name: 1.0 for name in corpus.train}, seq_len=bc.seq_len,
-                          global_batch=bc.rows, seed=0, prefetch=bc.prefetch, vocab_size=vocab_size)
+    kw = dict(seq_len=bc.seq_len, global_batch=bc.rows, seed=0, vocab_size=vocab_size)
+    try:
+        return train_iterator(corpus.train, {name: 1.0 for name in corpus.train}, prefetch=bc.prefetch, **kw)
+    except ImportError as e:
+        log(f"  prefetch unavailable ({e}); loading batches in the step's thread")
+        return train_iterator(corpus.train, {name: 1.0 for name in corpus.train}, prefetch=0, **kw)
 
 
 def profile(bc: BreakdownConfig, logdir: str | None = None, log=print) -> dict:
@@ -57,7 +63,7 @@ def profile(bc: BreakdownConfig, logdir: str | None = None, log=print) -> dict:
     tx = build_optimizer(OptimizerConfig(warmup_steps=10, total_steps=1000), None, log=None)
     graphdef, state = init_state(cfg, tx, 0, NamedSharding(mesh, P()))
     batch_sharding = NamedSharding(mesh, P("data"))
-    it = _batches(cfg, bc, cfg.vocab_size)
+    it = _batches(cfg, bc, cfg.vocab_size, log)
 
     def next_batch():
         with jax.profiler.TraceAnnotation("data_loading"):

@@ -4,9 +4,14 @@ the logits, and a reserve for the runtime.
 
 Two recipes:
   paper     Megatron-style as the ZAYA1 run (spec section 13): bf16 weights, fp32 gradient buffer, fp32 master
-            weights and optimizer state sharded over data parallel (ZeRO-1), no recomputation, fused attention.
+            weights and optimizer state sharded over data parallel (ZeRO-1), no recomputation, fused kernels
+            (norm, SwiGLU, attention) that keep one input per op. An assumption about their stack; it reproduces
+            the paper's "microbatch 5 fits at 4k" and "CP 2 with microbatch 1 at 32k" on MI300X.
   zaya_jax  this trainer today (train/loop.py): fp32 parameters and gradients, optimizer state replicated, the
-            model config's remat policy and attention implementation ('xla' materializes the fp32 scores).
+            model config's remat policy and attention implementation ('xla' materializes the fp32 scores), the
+            unfused reference ops' residuals (about twice the fused inventory per layer), the bf16 weight copies
+            the backward reuses, and optax's full update tree. Checked against jax's saved residuals and XLA's
+            compiled allocation (memory_check.py, tests/test_systems_sizing.py and _breakdown.py).
 Muon keeps one fp32 momentum per matrix, AdamW two fp32 moments (optim/partition.py decides which is which).
 """
 

@@ -26,7 +26,7 @@ def try_plot(plot_fn, result: dict, path: str, log=print) -> str | None:
 
 
 def line_panels(path: str, panels: list[dict], *, xlabel: str, ylabel: str, title: str, logx: bool = True,
-                logy: bool = False) -> str:
+                logy: bool = False, xbase: int = 2) -> str:
     """panels: [{'title': str, 'series': [{'label', 'x', 'y'}], 'marks': [{'x', 'label'}] (vertical lines),
     'hlines': [{'y', 'label'}]}], side by side."""
     plt = _pyplot()
@@ -44,7 +44,7 @@ def line_panels(path: str, panels: list[dict], *, xlabel: str, ylabel: str, titl
             ax.axhline(h["y"], linestyle=":", linewidth=0.8, color="black")
             ax.annotate(h["label"], (0.01, h["y"]), xycoords=("axes fraction", "data"), fontsize=7)
         if logx:
-            ax.set_xscale("log", base=2)
+            ax.set_xscale("log", base=xbase)
         if logy:
             ax.set_yscale("log")
         ax.set_title(panel.get("title", ""), fontsize=9)

@@ -63,15 +63,15 @@ def summary_table(result: dict) -> str:
 
 def plot(result: dict, path: str) -> str:
     case = result["case"]
-    times = [0.05 * 1.25 ** i for i in range(30)]
+    times = [0.05 * 1.25 ** i for i in range(25)]  # 0.05 s .. 10 s
     series = [dict(label=f"sigma {r['sigma']}", x=times,
                    y=[iops_required(result["pages_per_iteration"], t, r["sigma"]) for t in times])
               for r in result["rows"]]
     panel = dict(title=f"{result['pages_per_iteration']:,.0f} pages per iteration", series=series,
                  hlines=[dict(y=case["iops_budget"], label="IOPS budget")],
                  marks=[dict(x=case["iteration_s"], label="iteration time")])
-    return plots.line_panels(path, [panel], xlabel="iteration time (s)", ylabel="IOPS needed", logx=False,
-                             logy=True, title="data-loading I/O model (Appendix B)")
+    return plots.line_panels(path, [panel], xlabel="iteration time (s)", ylabel="IOPS needed", logy=True, xbase=10,
+                             title="data-loading I/O model (Appendix B)")
 
 
 def run(case: StorageCase, out_dir: str, log=print) -> dict:

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 import time
+import traceback
 
 import jax
 
@@ -54,14 +55,21 @@ def run(sc: SuiteConfig, out_dir: str, log=print) -> dict:
     cfg = preset(sc.model)
     if sc.quick:
         cfg = preset("tiny")
-    done, t_start = {}, time.perf_counter()
+    done, errors, t_start = {}, {}, time.perf_counter()
 
     def stage(name, fn):
+        """Runs one stage; a failure is logged and recorded, and the later stages still run (one GPU session
+        should bring back everything that worked)."""
         if name not in sc.stages:
             return None
         t = time.perf_counter()
         log(f"== {name}")
-        done[name] = fn()
+        try:
+            done[name] = fn()
+        except Exception as e:  # noqa: BLE001 - reported in errors.json, never swallowed silently
+            done[name] = None
+            errors[name] = f"{type(e).__name__}: {e}"
+            log(f"   FAILED: {errors[name]}\n{traceback.format_exc(limit=6)}")
         log(f"   ({time.perf_counter() - t:.0f} s, {time.perf_counter() - t_start:.0f} s total)")
         return done[name]
 
@@ -78,6 +86,8 @@ def run(sc: SuiteConfig, out_dir: str, log=print) -> dict:
     stage("breakdown", lambda: breakdown.run(sc.breakdown, out_dir, log=log))
     stage("storage", lambda: storage.run(storage.StorageCase(), out_dir, log=log))
     stage("advice", lambda: _advice(out_dir, log))
+    if errors:
+        write_json(f"{out_dir}/errors.json", errors)
     return done
 
 
