@@ -20,7 +20,7 @@ def test_groups_per_scope(grid):
     got = [(g.scope, g.n, g.mesh.devices.shape) for g in topology.groups(grid)]
     assert got == [("node", 2, (2, 1, 2)), ("node", 4, (2, 1, 4)), ("rail", 2, (1, 2, 1)),
                    ("global", 2 * 4, (1, 2, 4))]
-    rail = [g for g in topology.groups(grid, scopes=("rail",))][0]
+    (rail,) = topology.groups(grid, scopes=("rail",))
     assert [d.id for d in rail.mesh.devices.flat] == [0, 4]  # local rank 0 of each node: one rail
     all_rails = topology.groups(grid, scopes=("rail",), all_rails=True)[0]
     assert all_rails.mesh.devices.shape == (1, 2, 4) and all_rails.axes == ("node",)

@@ -121,8 +121,8 @@ def describe(rec: dict) -> str:
            f"micro-steps" if mb["sequences_per_rank_per_step"] else "") + ")",
         "memory per device (GB): " + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in mem.items()),
         f"gradient bucket: {human_bytes(rec['gradient_bucket']['bytes'])} ({rec['gradient_bucket']['source']})",
-        f"time per step at the GEMM ceiling: compute {est['compute_s_at_gemm_ceiling']:.2f} s, ZeRO-1 traffic "
-        f"{est['zero1_communication_s']:.2f} s if not overlapped",
+        (f"time per step at the GEMM ceiling: compute {est['compute_s_at_gemm_ceiling']:.2f} s, ZeRO-1 traffic "
+         f"{est['zero1_communication_s']:.2f} s if not overlapped"),
         f"grouped expert GEMM: {est['grouped_expert_gemm_flops'] / 1e9:.0f} GFLOP per microbatch "
         f"({est['tokens_per_expert']:.0f} tokens per expert)"
         + ({True: ", above the saturation size", False: ", BELOW the saturation size: raise the microbatch",

@@ -27,7 +27,7 @@ def torch_ceilings(timeout_s: float = 300) -> tuple[dict | None, str | None]:
     cmd = [python, script, str(COPY_BYTES), str(GEMM_N)]
     env = dict(os.environ, CUDA_MODULE_LOADING="LAZY")
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
     except subprocess.TimeoutExpired:
         return None, f"torch measurement timed out after {timeout_s:.0f} s"
     lines = done.stdout.strip().splitlines()

@@ -39,5 +39,8 @@ def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     cells = [[cell(r, k, s) for k, _, s in columns] for r in rows]
     heads = [h for _, h, _ in columns]
     widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(heads)]
-    line = lambda vals: "  ".join(v.rjust(w) for v, w in zip(vals, widths))  # noqa: E731
+
+    def line(values):
+        return "  ".join(v.rjust(w) for v, w in zip(values, widths))
+
     return "\n".join([line(heads)] + [line(c) for c in cells])

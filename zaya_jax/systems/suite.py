@@ -32,7 +32,7 @@ class SuiteConfig:
     model: str = "zaya1_8b"  # GEMM and attention shapes
     quick: bool = False  # tiny sizes (CPU smoke run)
     stages: tuple = STAGES
-    breakdown: breakdown.BreakdownConfig = breakdown.BreakdownConfig()
+    breakdown: breakdown.BreakdownConfig = dataclasses.field(default_factory=breakdown.BreakdownConfig)
     local_per_node: int | None = None  # emulate nodes for the collectives (CPU)
 
 

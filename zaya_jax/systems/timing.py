@@ -37,7 +37,7 @@ def device_memory_bytes(device=None) -> int | None:
     device = device or jax.devices()[0]
     try:
         stats = device.memory_stats() or {}
-    except Exception:  # some backends raise instead of returning None
+    except Exception:  # noqa: BLE001 - some backends raise (of various types) instead of returning None
         stats = {}
     return int(stats["bytes_limit"]) if "bytes_limit" in stats else None
 
