@@ -2,16 +2,20 @@
 each rail.
 
 A flat reduction over `data` treats all nodes x local devices as one ring. The hierarchical form splits it:
-  1. reduce-scatter inside each node (xGMI / NVLink): local device l keeps 1/local of the node's sum;
-  2. the cross-node step on each rail: the devices with local index l (one per node, all on NIC rail l) reduce
-     that 1/local share (all-reduce for a full sum, reduce-scatter for ZeRO-1);
+  1. reduce-scatter inside each node (xGMI / NVLink): in-node device l keeps 1/local of the node's sum;
+  2. the cross-node step on each rail: the devices with in-node index l (one per node, all on NIC rail l)
+     reduce that share (all-reduce for a full sum, reduce-scatter for ZeRO-1);
   3. (full sum only) all-gather inside the node.
 Every byte that leaves a node travels between equal local ranks, i.e. on one rail, and each NIC carries only
 1/local of the data. These run inside shard_map over `hierarchical_view(mesh)`, whose 'data' axis is split into
-('node', 'data_local') over the same devices in the same order.
+('node', 'data_local') over the same devices in the same order; `inner` names the in-node axes reduced in
+step 1 (data_local, and context when the batch is also split over it). On a single node the cross-node step is
+over one device and costs nothing.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax.numpy as jnp
 from jax import lax
@@ -32,25 +36,29 @@ def hierarchical_view(mesh: Mesh, nodes: int | None = None) -> Mesh:
     return Mesh(devices, names, axis_types=(AxisType.Auto,) * len(names))
 
 
-def hierarchical_psum(x):
-    """psum over (node, data_local), as reduce-scatter in the node, all-reduce on the rail, all-gather in the node."""
-    local = lax.axis_size(LOCAL)
+def _inner_size(inner) -> int:
+    return math.prod(lax.axis_size(a) for a in inner)
+
+
+def hierarchical_psum(x, inner=(LOCAL,)):
+    """psum over (node, *inner): reduce-scatter in the node, all-reduce on the rail, all-gather in the node."""
     flat = x.reshape(-1)
     n = flat.shape[0]
-    flat = jnp.pad(flat, (0, -n % local))
-    share = lax.psum_scatter(flat, LOCAL, scatter_dimension=0, tiled=True)
+    flat = jnp.pad(flat, (0, -n % _inner_size(inner)))
+    share = lax.psum_scatter(flat, inner, scatter_dimension=0, tiled=True)
     share = lax.psum(share, NODE)
-    return lax.all_gather(share, LOCAL, axis=0, tiled=True)[:n].reshape(x.shape)
+    return lax.all_gather(share, inner, axis=0, tiled=True, to="invarying")[:n].reshape(x.shape)
 
 
-def hierarchical_psum_scatter(x):
-    """psum_scatter over (node, data_local) along dim 0, as a reduce-scatter in the node, then one on the rail.
-    Device (node n, local l) ends with shard n·local + l, the layout of PartitionSpec('data')."""
-    nodes, local = lax.axis_size(NODE), lax.axis_size(LOCAL)
+def hierarchical_psum_scatter(x, inner=(LOCAL,), dim: int = 0):
+    """psum_scatter over (node, *inner) along `dim`: a reduce-scatter in the node, then one on the rail. The device
+    at (node n, inner index i) ends with shard n·|inner| + i: the layout of PartitionSpec(('data', ...))."""
+    nodes, local = lax.axis_size(NODE), _inner_size(inner)
+    x = jnp.moveaxis(x, dim, 0)
     if x.shape[0] % (nodes * local):
-        raise ValueError(f"dim 0 ({x.shape[0]}) must split into {nodes * local} shards")
+        raise ValueError(f"dim {dim} ({x.shape[0]}) must split into {nodes * local} shards")
     chunk = x.shape[0] // (nodes * local)
-    # reorder shards (node, local) -> (local, node) so the in-node step hands local l every node's shard l
+    # reorder shards (node, inner) -> (inner, node) so the in-node step hands device i every node's shard i
     by_local = x.reshape(nodes, local, chunk, *x.shape[1:]).swapaxes(0, 1).reshape(x.shape)
-    share = lax.psum_scatter(by_local, LOCAL, scatter_dimension=0, tiled=True)
-    return lax.psum_scatter(share, NODE, scatter_dimension=0, tiled=True)
+    share = lax.psum_scatter(by_local, inner, scatter_dimension=0, tiled=True)
+    return jnp.moveaxis(lax.psum_scatter(share, NODE, scatter_dimension=0, tiled=True), 0, dim)

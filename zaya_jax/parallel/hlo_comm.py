@@ -34,6 +34,7 @@ class Collective:
     kind: str
     result_bytes: int
     group: int
+    axes: tuple[str, ...] = ()  # the mesh axes of its replica groups, when the HLO names them
 
     @property
     def received_bytes(self) -> float:
@@ -50,18 +51,20 @@ def _shape_bytes(text: str) -> list[int]:
     return [_BYTES[t] * math.prod(int(d) for d in dims.split(",") if d) for t, dims in _SHAPE.findall(text)]
 
 
-def _group_size(attrs: str, default: int) -> int:
+def _groups(attrs: str, default: int) -> tuple[int, tuple[str, ...]]:
+    """(replica group size, mesh axes of the groups if named)."""
     m = _GROUPS_LIST.search(attrs)
     if m:
-        return len([x for x in m.group(1).strip("{}").split(",") if x])
+        return len([x for x in m.group(1).strip("{}").split(",") if x]), ()
     m = _GROUPS_IOTA.search(attrs)
     if m:
-        return int(m.group(2))
+        return int(m.group(2)), ()
     m = _GROUPS_MESH.search(attrs)
     if m:
         sizes = {k.strip("' "): int(v) for k, v in (kv.split("=") for kv in m.group(1).split(","))}
-        return math.prod(sizes[a.strip("' ")] for a in m.group(2).split(",") if a.strip())
-    return default
+        axes = tuple(a.strip("' ") for a in m.group(2).split(",") if a.strip())
+        return math.prod(sizes[a] for a in axes), axes
+    return default, ()
 
 
 def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
@@ -72,7 +75,7 @@ def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
             continue
         sizes = _shape_bytes(m.group("result"))
         result = sizes[-1] if m.group("start") else sum(sizes)
-        out.append(Collective(m.group("kind"), result, _group_size(m.group("attrs") or "", num_devices)))
+        out.append(Collective(m.group("kind"), result, *_groups(m.group("attrs") or "", num_devices)))
     return out
 
 
@@ -81,4 +84,12 @@ def received_by_kind(hlo_text: str, num_devices: int) -> dict[str, float]:
     total = collections.Counter()
     for c in collectives(hlo_text, num_devices):
         total[c.kind] += c.received_bytes
+    return dict(total)
+
+
+def received_by_axes(hlo_text: str, num_devices: int) -> dict[tuple[str, ...], float]:
+    """{mesh axes of the replica groups: bytes one device receives over them per call} (e.g. in-node vs rail)."""
+    total = collections.Counter()
+    for c in collectives(hlo_text, num_devices):
+        total[c.axes] += c.received_bytes
     return dict(total)
