@@ -1,8 +1,9 @@
 """Data (and context) parallel gradients computed per device in shard_map, reduced explicitly and hierarchically.
 
-Left to GSPMD, the ZAYA step does not stay data parallel: the token gather of the embedding and the sort of the
-MoE dispatch make XLA all-gather the whole batch's activations onto every device (tests/test_parallel_zero1.py
-checks the compiled program of this path instead). Here each device runs the model on its own rows (and, with
+Left to GSPMD, the ZAYA step does not stay data parallel: for the sort-based MoE dispatch XLA all-gathers the
+expert indices of every token of the global batch and all-reduces [all tokens, hidden] activations in every layer
+(and with the ZeRO-1 layout it also all-gathers activations); tests/test_parallel_zero1.py checks that this path
+moves nothing of the global batch's size. Here each device runs the model on its own rows (and, with
 context parallelism, its zigzag share of their tokens), differentiates its own loss sum with respect to its own
 copy of the replicated parameters, and the gradients are then reduced explicitly, inside the node first and then
 across nodes on each rail (collectives.py):
