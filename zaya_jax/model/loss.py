@@ -6,6 +6,8 @@ to `ignore_index` (padding, prompt tokens) count for nothing, mean over the coun
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -33,3 +35,109 @@ def next_token_cross_entropy(logits, labels, ignore_index: int = IGNORE_INDEX):
     """Mean next-token CE over counted tokens; 0 (not NaN, unlike torch) when no token counts."""
     terms, counted = next_token_loss_terms(logits, labels, ignore_index)
     return terms.sum() / jnp.maximum(counted.sum(), 1.0)
+
+
+# ---- chunked cross-entropy through the vocabulary head ------------------------------------------------------------
+#
+# The same per-token terms as `token_cross_entropy_terms(hidden @ head^T + bias, ...)`, summed, without ever holding
+# the [N, V] fp32 logits (V = 262272: 1 GiB per 1024 tokens) or their gradient: tokens go through the head in chunks
+# under lax.scan. When differentiated, each chunk's gradient is formed right there (Liger-style fused linear
+# cross-entropy): d logits = mask * (softmax - onehot), in the compute dtype, feeds the two head-gradient GEMMs
+# (bf16 operands, fp32 accumulation when the compute dtype is bf16; all fp32 in fp32), d head accumulates in fp32
+# across chunks. The backward pass then only scales the stored gradients by the incoming cotangent, so the head
+# costs the same 6*N*D*V FLOPs as the unchunked path and no logits are recomputed.
+
+
+def _pad_chunks(x, n_chunks: int, chunk: int):
+    pad = n_chunks * chunk - x.shape[0]
+    x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+    return x.reshape((n_chunks, chunk) + x.shape[1:])
+
+
+def _head_chunks(hidden, targets, mask, chunk_tokens: int):
+    n = hidden.shape[0]
+    chunk = max(1, min(int(chunk_tokens), n))
+    n_chunks = -(-n // chunk)
+    return (_pad_chunks(hidden, n_chunks, chunk), _pad_chunks(targets, n_chunks, chunk),
+            _pad_chunks(mask.astype(jnp.float32), n_chunks, chunk))
+
+
+def _chunk_logits(h, w, bias):
+    logits = jnp.einsum("nd,vd->nv", h, w, preferred_element_type=jnp.float32)
+    return logits if bias is None else logits + bias.astype(jnp.float32)
+
+
+def _chunk_terms(logits, t, m):
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, t[:, None], axis=-1)[:, 0]
+    return jnp.where(m > 0, log_z - target_logit, 0.0).sum(), log_z
+
+
+def _head_ce_sum(hidden, weight, bias, targets, mask, chunk_tokens):
+    w = weight.astype(hidden.dtype)
+    hs, ts, ms = _head_chunks(hidden, targets, mask, chunk_tokens)
+
+    def body(total, xs):
+        h, t, m = xs
+        return total + _chunk_terms(_chunk_logits(h, w, bias), t, m)[0], None
+
+    return jax.lax.scan(body, jnp.zeros((), jnp.float32), (hs, ts, ms))[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _head_ce(hidden, weight, bias, targets, mask, chunk_tokens):
+    return _head_ce_sum(hidden, weight, bias, targets, mask, chunk_tokens)
+
+
+def _head_ce_fwd(hidden, weight, bias, targets, mask, chunk_tokens):
+    dt = hidden.dtype
+    w = weight.astype(dt)
+    n = hidden.shape[0]
+    hs, ts, ms = _head_chunks(hidden, targets, mask, chunk_tokens)
+
+    def body(carry, xs):
+        total, d_w, d_b = carry
+        h, t, m = xs
+        logits = _chunk_logits(h, w, bias)
+        terms, log_z = _chunk_terms(logits, t, m)
+        probs = jnp.exp(logits - log_z[:, None])
+        onehot = jax.nn.one_hot(t, logits.shape[-1], dtype=jnp.float32)
+        d_logits = (probs - onehot) * m[:, None]
+        d_logits_c = d_logits.astype(dt)
+        d_h = jnp.einsum("nv,vd->nd", d_logits_c, w, preferred_element_type=jnp.float32)
+        d_w = d_w + jnp.einsum("nv,nd->vd", d_logits_c, h, preferred_element_type=jnp.float32)
+        if d_b is not None:
+            d_b = d_b + d_logits.sum(axis=0)
+        return (total + terms, d_w, d_b), d_h
+
+    d_b0 = None if bias is None else jnp.zeros(bias.shape, jnp.float32)
+    init = (jnp.zeros((), jnp.float32), jnp.zeros(weight.shape, jnp.float32), d_b0)
+    (total, d_w, d_b), d_h = jax.lax.scan(body, init, (hs, ts, ms))
+    d_h = d_h.reshape(-1, hidden.shape[-1])[:n]
+    like = lambda x: None if x is None else jnp.zeros((0,), x.dtype)  # dtype carriers (residuals must be arrays)
+    return total, (d_h, d_w, d_b, like(hidden), like(weight), like(bias), targets, mask)
+
+
+def _head_ce_bwd(chunk_tokens, res, g):
+    d_h, d_w, d_b, h_like, w_like, b_like, targets, mask = res
+    d_b = None if d_b is None else (g * d_b).astype(b_like.dtype)
+    return ((g * d_h).astype(h_like.dtype), (g * d_w).astype(w_like.dtype), d_b,
+            jnp.zeros(targets.shape, jax.dtypes.float0), jnp.zeros_like(mask))
+
+
+_head_ce.defvjp(_head_ce_fwd, _head_ce_bwd)
+
+
+def chunked_head_cross_entropy(hidden, weight, targets, mask, *, bias=None, chunk_tokens: int = 4096):
+    """Sum over tokens of the masked next-token CE of `hidden @ weight^T (+ bias)`, and the counted-token total.
+
+    hidden [..., D] (compute dtype; the head GEMMs run in it with fp32 accumulation), weight [V, D] (any float dtype,
+    cast to hidden's; its gradient comes back in its own dtype, accumulated in fp32), targets [...] aligned
+    (hidden[t] predicts targets[t]), mask [...] (0 = not counted), bias [V] or None. Equals
+    `token_cross_entropy_terms(logits, targets, mask)` summed, with logits computed as `ZayaForCausalLM.logits` does;
+    peak extra memory is one chunk of fp32 logits (chunk_tokens x V x 4 bytes) instead of all of them."""
+    d = hidden.shape[-1]
+    flat_mask = mask.reshape(-1).astype(jnp.float32)
+    total = _head_ce(hidden.reshape(-1, d), weight, bias, targets.reshape(-1).astype(jnp.int32), flat_mask,
+                     int(chunk_tokens))
+    return total, flat_mask.sum()

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from zaya_jax.model.loss import token_cross_entropy_terms
+from zaya_jax.model.loss import chunked_head_cross_entropy, token_cross_entropy_terms
 from zaya_jax.optim.balancing import BalancerConfig, update_biases
 from zaya_jax.parallel.context import ContextParallel
 
@@ -49,9 +49,18 @@ def loss_mask(batch: dict, reset_at_documents: bool):
     return mask * (batch["source_ids"][:, None] >= 0)
 
 
-def make_loss_fn(graphdef, reset_at_documents: bool):
+def make_loss_fn(graphdef, reset_at_documents: bool, *, ce_chunk_tokens: int | None = None):
+    """ce_chunk_tokens: run the vocabulary head and the cross-entropy in chunks of this many tokens, gradients formed
+    per chunk (zaya_jax/model/loss.py: chunked_head_cross_entropy; never holds the [B, T, V] fp32 logits)."""
     def loss_fn(params, model_state, batch):
         model = nnx.merge(graphdef, params, model_state)
+        if ce_chunk_tokens:
+            hidden, aux = model.model(batch["inputs"], **model_inputs(batch, reset_at_documents))
+            bias = model.lm_head.bias[...] if model.lm_head is not None and model.lm_head.bias is not None else None
+            total, counted = chunked_head_cross_entropy(hidden, model.head_weight(), batch["targets"],
+                                                        loss_mask(batch, reset_at_documents), bias=bias,
+                                                        chunk_tokens=ce_chunk_tokens)
+            return total / jnp.maximum(counted, 1.0), aux.expert_counts
         logits, aux = model.forward(batch["inputs"], **model_inputs(batch, reset_at_documents))
         terms, counted = token_cross_entropy_terms(logits, batch["targets"], loss_mask(batch, reset_at_documents))
         loss = terms.sum() / jnp.maximum(counted.sum(), 1.0)
@@ -79,10 +88,11 @@ def make_local_loss_sums(graphdef, reset_at_documents: bool, cp: ContextParallel
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, balancer: BalancerConfig, *,
-                    reset_at_documents: bool = False, grad_fn=None):
+                    reset_at_documents: bool = False, ce_chunk_tokens: int | None = None, grad_fn=None):
     """grad_fn(params, model_state, batch) -> ((loss, expert counts), grads) replaces value_and_grad of the model
     loss (data/context parallelism in shard_map plugs in here: zaya_jax/parallel/data_parallel.py)."""
-    grad_fn = grad_fn or jax.value_and_grad(make_loss_fn(graphdef, reset_at_documents), has_aux=True)
+    grad_fn = grad_fn or jax.value_and_grad(make_loss_fn(graphdef, reset_at_documents,
+                                                         ce_chunk_tokens=ce_chunk_tokens), has_aux=True)
 
     def train_step(state: dict[str, Any], batch: dict[str, jax.Array]):
         (loss, counts), grads = grad_fn(state["params"], state["model_state"], batch)
