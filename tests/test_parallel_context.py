@@ -18,7 +18,11 @@ from flax import nnx
 from zaya_jax.config import tiny
 from zaya_jax.model import ZayaForCausalLM
 from zaya_jax.model.base import BalancingBias
-from zaya_jax.parallel.context import ContextParallel, ContextParallelError, forward_logits
+from zaya_jax.parallel.context import (
+    ContextParallel,
+    ContextParallelError,
+    forward_logits,
+)
 from zaya_jax.parallel.mesh import make_mesh
 from zaya_jax.parallel.zigzag import Zigzag, ZigzagError, from_layout, to_layout
 

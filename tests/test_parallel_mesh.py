@@ -10,8 +10,13 @@ import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from zaya_jax.parallel.collectives import (LOCAL, NODE, hierarchical_psum, hierarchical_psum_scatter,
-                                           hierarchical_view)
+from zaya_jax.parallel.collectives import (
+    LOCAL,
+    NODE,
+    hierarchical_psum,
+    hierarchical_psum_scatter,
+    hierarchical_view,
+)
 from zaya_jax.parallel.mesh import MeshError, describe_mesh, make_mesh
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0}

@@ -21,7 +21,6 @@ STEPS = 4
 
 def _config(spec: dict):
     from ml_collections import ConfigDict
-
     from test_train import small_config
     c = small_config(steps=spec.get("steps", STEPS), checkpoint_every=2)
     c.train.keep_checkpoints = 4

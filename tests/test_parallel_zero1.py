@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from ml_collections import ConfigDict
 
 from zaya_jax.optim.muon import muon, scale_by_muon
@@ -70,11 +71,11 @@ def test_distributed_muon_equals_single_device_muon(placement):
     want_params, want_state = _run_muon(tx)
     mesh = make_mesh(data=8)
     got_params, got_state = _run_muon(zero1(tx, mesh, muon=placement), mesh)
-    for name in SHAPES:
+    for name, shape in SHAPES.items():
         np.testing.assert_allclose(np.asarray(got_params[name]), np.asarray(want_params[name]), atol=2e-6, rtol=0)
         momentum = got_state[0].momentum[name]
         np.testing.assert_allclose(np.asarray(momentum), np.asarray(want_state[0].momentum[name]), atol=1e-6)
-        assert momentum.sharding.spec == zero1_spec_fn(mesh)(SHAPES[name])
+        assert momentum.sharding.spec == zero1_spec_fn(mesh)(shape)
     total, local, _ = bytes_per_device(got_state)
     print(f"\n{placement}: Muon state {total} B in all, {local} B per device")
     assert local < total / 4
@@ -120,6 +121,7 @@ def test_trainer_step_reduce_scatters_gradients_in_node_then_on_rails_and_gather
     """The trainer's ZeRO-1 step on 2 emulated nodes x 4: each device receives 7/8 of the gradient bytes, of which
     only 1/8 crosses nodes (its rail's share), and no activation of the global batch crosses devices."""
     from test_train import small_config
+
     from zaya_jax.optim.balancing import BalancerConfig
     from zaya_jax.parallel.data_parallel import sharded_value_and_grad
     from zaya_jax.train.loop import setup

@@ -13,5 +13,5 @@ class ParallelConfig:
     bucket_bytes: int = 0  # gradient bucket = XLA collective combine threshold (GPU); 0 = XLA's default
 
     @classmethod
-    def from_config(cls, config) -> "ParallelConfig":
+    def from_config(cls, config) -> ParallelConfig:
         return cls(**dict(config.get("parallel", {})))

@@ -22,7 +22,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from zaya_jax.parallel.collectives import LOCAL, NODE, hierarchical_psum, hierarchical_psum_scatter, hierarchical_view
+from zaya_jax.parallel.collectives import (
+    LOCAL,
+    NODE,
+    hierarchical_psum,
+    hierarchical_psum_scatter,
+    hierarchical_view,
+)
 from zaya_jax.parallel.zigzag import Zigzag, to_layout
 
 ALL = (NODE, LOCAL, "context")

@@ -75,8 +75,8 @@ def describe_mesh(mesh: Mesh, local_per_node: int = 0) -> str:
     flat = list(mesh.devices.flat)
     per_node = local_per_node or sum(d.process_index == flat[0].process_index for d in flat)
     nodes = len(flat) // per_node
-    lines = [f"mesh ({shape}) over {len(flat)} {flat[0].platform} devices on {nodes} node(s) x {per_node}; "
-             f"rails-only: cross-node traffic pairs equal local ranks"]
+    lines = [(f"mesh ({shape}) over {len(flat)} {flat[0].platform} devices on {nodes} node(s) x {per_node}; "
+              f"rails-only: cross-node traffic pairs equal local ranks")]
     coords = {d: idx for idx, d in np.ndenumerate(mesh.devices)}
     for n in range(nodes):
         cells = []

@@ -134,7 +134,7 @@ class Setup:
     graphdef: object
     state: dict
     meta: dict
-    parallel: ParallelConfig = ParallelConfig()
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
 
 
 def setup(config: ConfigDict, *, log=print) -> Setup:
