@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zaya_jax.config import ModelConfig
-from zaya_jax.model.base import Linear, dtypes, normal_init
+from zaya_jax.model.base import Linear, compute_matmul, dtypes, normal_init
 from zaya_jax.ops import attention as attention_ops
 
 
@@ -120,7 +120,7 @@ class CCAProjection(nnx.Module):
                     col = col * same_segment[s][..., None]
                 y = y + col * w1[:, i]
             y = y.astype(dt).reshape(B, T, G, d)
-            z = z + jnp.einsum("btgi,goi->btgo", y, w2[..., j], preferred_element_type=jnp.float32)
+            z = z + compute_matmul("btgi,goi->btgo", y, w2[..., j]).astype(jnp.float32)
         return z.reshape(B, T, C).astype(dt)
 
 

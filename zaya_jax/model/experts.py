@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zaya_jax.config import ModelConfig
-from zaya_jax.model.base import activation, dtypes, normal_init
+from zaya_jax.model.base import activation, compute_matmul, dtypes, normal_init
 
 _DN = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
                                         rhs_group_dimensions=[0])
@@ -49,15 +49,15 @@ def _ragged(x, index, w_gu, w_down, act):
     order = jnp.argsort(index, stable=True)  # skip tokens (index E) sort last, outside every group
     sizes = jnp.bincount(index, length=E + 1)[:E].astype(jnp.int32)
     xs = x[order]
-    gu = jax.lax.ragged_dot_general(xs, w_gu, sizes, _DN, preferred_element_type=jnp.float32).astype(x.dtype)
+    gu = jax.lax.ragged_dot_general(xs, w_gu, sizes, _DN, preferred_element_type=x.dtype)  # see compute_matmul
     h = _swiglu(gu, act)
-    out = jax.lax.ragged_dot_general(h, w_down, sizes, _DN, preferred_element_type=jnp.float32).astype(x.dtype)
+    out = jax.lax.ragged_dot_general(h, w_down, sizes, _DN, preferred_element_type=x.dtype)
     return out[jnp.argsort(order)]
 
 
 def _dense(x, index, w_gu, w_down, act):
     E = w_gu.shape[0]
-    gu = jnp.einsum("nd,eod->eno", x, w_gu, preferred_element_type=jnp.float32).astype(x.dtype)
-    out = jnp.einsum("eni,edi->end", _swiglu(gu, act), w_down, preferred_element_type=jnp.float32).astype(x.dtype)
+    gu = compute_matmul("nd,eod->eno", x, w_gu)
+    out = compute_matmul("eni,edi->end", _swiglu(gu, act), w_down)
     onehot = jax.nn.one_hot(index, E, dtype=x.dtype)  # skip tokens: all-zero row
     return jnp.einsum("end,ne->nd", out, onehot)

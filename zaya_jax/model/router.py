@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zaya_jax.config import ModelConfig
-from zaya_jax.model.base import BalancingBias, Linear, RMSNormWeight, activation, dtypes
+from zaya_jax.model.base import BalancingBias, Linear, RMSNormWeight, activation
 from zaya_jax.ops.rmsnorm import rms_norm_reference
 
 

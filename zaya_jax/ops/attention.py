@@ -46,13 +46,15 @@ def attention_reference(q, k, v, *, q_positions=None, kv_positions=None, kv_vali
     mask = attention_mask(qp, kp, kv_valid=kv_valid, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                           sliding_window=sliding_window)
     qg = q.reshape(B, T, KV, g, d)
-    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    # scores and the value product in the compute dtype (fp32 accumulation inside the GEMM, as HF's bf16
+    # matmuls), so the backward GEMMs stay in it too; the softmax itself runs in fp32
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=q.dtype).astype(jnp.float32) * scale
     s = jnp.where(mask[:, None, None], s, _NEG)
     m = jnp.max(s, axis=-1, keepdims=True)
     p = jnp.exp(s - m)
     denom = jnp.sum(p, axis=-1, keepdims=True)
     p = (p / denom).astype(v.dtype)
-    o = jnp.einsum("bkgts,bskd->btkgd", p, v, preferred_element_type=jnp.float32).astype(q.dtype)
+    o = jnp.einsum("bkgts,bskd->btkgd", p, v, preferred_element_type=q.dtype)
     o = o.reshape(B, T, H, d)
     if return_lse:
         lse = (m + jnp.log(denom))[..., 0]  # [B, KV, g, T]

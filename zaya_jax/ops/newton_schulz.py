@@ -17,7 +17,6 @@ of A·A fewer); otherwise only the fp32 summation order differs.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
