@@ -148,7 +148,8 @@ class ContextParallel:
                                        q_segment_ids=seg, kv_segment_ids=seg_all)
 
     def _block(self, q, k, v, q_order, kv_order, q_seg, kv_seg):
-        o, lse = attention_ops.attention_with_lse(q, k, v, impl=self.impl, q_positions=q_order,
+        impl = self.impl if self.impl in ("xla", "pallas") else "xla"  # cuDNN returns no log-sum-exp to merge by
+        o, lse = attention_ops.attention_with_lse(q, k, v, impl=impl, q_positions=q_order,
                                                   kv_positions=kv_order, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
         return o.astype(jnp.float32), lse
 
