@@ -26,4 +26,5 @@ def get_config() -> ConfigDict:
                               decay_fraction=0.1, weight_decay=0.1, clip_norm=1.0))
     c.balancing = ConfigDict(dict(learning_rate=1e-3))
     c.mesh = ConfigDict(dict(data=-1, context=1, num_devices=0))
+    c.parallel.bucket_bytes = 64 << 20  # set it from `characterize collectives` on the target network
     return c
