@@ -35,7 +35,6 @@ import argparse
 import concurrent.futures as cf
 import contextlib
 import dataclasses
-import fcntl
 import glob
 import json
 import os
@@ -45,6 +44,8 @@ import tempfile
 import time
 import traceback
 import warnings
+
+from zaya_jax.train.bench_hf import gpu_lock, median  # shared with the HF process (stdlib only)
 
 SPEC_PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16
 
@@ -224,23 +225,6 @@ class Clock:
         return self.t0 + self.budget * frac
 
 
-@contextlib.contextmanager
-def gpu_lock(path: str):
-    """Exclusive lock for timed regions (the HF process takes the same one)."""
-    with open(path, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _median(xs):
-    xs = sorted(xs)
-    n = len(xs)
-    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
-
-
 def gemm_ceiling_tflops(n: int, reps: int = 10) -> float:
     import jax
     import jax.numpy as jnp
@@ -254,7 +238,7 @@ def gemm_ceiling_tflops(n: int, reps: int = 10) -> float:
         t = time.perf_counter()
         f(a, b).block_until_ready()
         times.append(time.perf_counter() - t)
-    return 2 * n ** 3 / _median(times) / 1e12
+    return 2 * n ** 3 / median(times) / 1e12
 
 
 # ---- building blocks -----------------------------------------------------------------------------------------------
@@ -422,7 +406,6 @@ class Bench:
 
     # -- phase 1: lower (main thread, tracing) and compile (threads)
     def lower(self, v: Variant):
-        import jax
         cfg = model_config(self.args.preset, v, self.args.dtype)
         tx = make_tx(v)
         patch = bf16_backward_gemms(v.bf16_out) if v.bf16_grads else contextlib.nullcontext
@@ -540,7 +523,7 @@ class Bench:
             lv = [float(x) for x in jax.device_get(losses)]
             res["loss_first"], res["loss_last"] = lv[0], lv[-1]
             res["loss_finite"] = bool(all(x == x and abs(x) != float("inf") for x in lv))
-        med = _median(times)
+        med = median(times)
         res.update(first_call_s=first, step_times_s=times, median_s=med, pipelined_mean_s=pipelined,
                    steps_timed=budget_steps, device_memory=device_memory())
         if v.kind in ("step", "fwd", "fwd_bwd"):
