@@ -73,6 +73,12 @@ def _chunk_terms(logits, t, m):
     return jnp.where(m > 0, log_z - target_logit, 0.0).sum(), log_z
 
 
+def _zero_like_tokens(ms):
+    """A 0.0 that carries the tokens' sharding type: inside shard_map the scan carries accumulate per-device
+    (varying) values, so their initial values must be varying too."""
+    return ms[:0].sum()
+
+
 def _head_ce_sum(hidden, weight, bias, targets, mask, chunk_tokens):
     w = weight.astype(hidden.dtype)
     hs, ts, ms = _head_chunks(hidden, targets, mask, chunk_tokens)
@@ -81,7 +87,7 @@ def _head_ce_sum(hidden, weight, bias, targets, mask, chunk_tokens):
         h, t, m = xs
         return total + _chunk_terms(_chunk_logits(h, w, bias), t, m)[0], None
 
-    return jax.lax.scan(body, jnp.zeros((), jnp.float32), (hs, ts, ms))[0]
+    return jax.lax.scan(body, _zero_like_tokens(ms), (hs, ts, ms))[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -110,8 +116,9 @@ def _head_ce_fwd(hidden, weight, bias, targets, mask, chunk_tokens):
             d_b = d_b + d_logits.sum(axis=0)
         return (total + terms, d_w, d_b), d_h
 
-    d_b0 = None if bias is None else jnp.zeros(bias.shape, jnp.float32)
-    init = (jnp.zeros((), jnp.float32), jnp.zeros(weight.shape, jnp.float32), d_b0)
+    zero = _zero_like_tokens(ms)
+    d_b0 = None if bias is None else jnp.zeros(bias.shape, jnp.float32) + zero
+    init = (zero, jnp.zeros(weight.shape, jnp.float32) + zero, d_b0)
     (total, d_w, d_b), d_h = jax.lax.scan(body, init, (hs, ts, ms))
     d_h = d_h.reshape(-1, hidden.shape[-1])[:n]
     like = lambda x: None if x is None else jnp.zeros((0,), x.dtype)  # dtype carriers (residuals must be arrays)

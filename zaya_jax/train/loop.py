@@ -213,6 +213,7 @@ def run(config: ConfigDict, workdir: str, *, log=print) -> dict:
                         seed=config.seed, rank=jax.process_index(), num_ranks=jax.process_count(), state=data_state,
                         prefetch=config.data.prefetch, vocab_size=cfg.vocab_size)
     reset = bool(config.data.reset_at_documents)
+    ce_chunk = int(config.train.get("ce_chunk_tokens", 0)) or None  # chunked head + CE for large vocabularies
     grad_fn = None
     if zero_axes(mesh):  # several devices: per-device gradients in shard_map, reduced explicitly (data_parallel.py)
         cp = None
@@ -221,11 +222,12 @@ def run(config: ConfigDict, workdir: str, *, log=print) -> dict:
                                  attention=s.parallel.context_attention, impl=cfg.attention_impl)
             cp.check(cfg)
         grad_spec_of = zero1_spec_fn(mesh) if s.parallel.zero1 else (lambda shape: P())
-        grad_fn = sharded_value_and_grad(make_local_loss_sums(s.graphdef, reset, cp), mesh, grad_spec_of,
+        grad_fn = sharded_value_and_grad(make_local_loss_sums(s.graphdef, reset, cp, ce_chunk), mesh, grad_spec_of,
                                          zigzag=cp.zigzag if cp else None)
     # out_shardings pin the state's layout (ZeRO-1 shards stay shards, parameters stay replicated)
     step_fn = jax.jit(make_train_step(s.graphdef, s.tx, BalancerConfig(**dict(config.balancing)),
-                                      reset_at_documents=reset, grad_fn=grad_fn), donate_argnums=0,
+                                      reset_at_documents=reset, ce_chunk_tokens=ce_chunk, grad_fn=grad_fn),
+                      donate_argnums=0,
                       out_shardings=(jax.tree.map(lambda x: x.sharding, state), NamedSharding(mesh, P())),
                       compiler_options=combine_threshold_options(s.parallel.bucket_bytes))
     evaluator = Evaluator(s.graphdef, s.valid_sources, seq_len=plan.seq_len, rows=plan.micro_rows, mesh=mesh,

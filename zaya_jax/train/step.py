@@ -49,38 +49,43 @@ def loss_mask(batch: dict, reset_at_documents: bool):
     return mask * (batch["source_ids"][:, None] >= 0)
 
 
+def loss_sums(model, batch, reset_at_documents: bool, ce_chunk_tokens: int | None = None):
+    """(sum of token losses, counted tokens, expert counts) of a batch. ce_chunk_tokens: run the vocabulary head and
+    the cross-entropy in chunks of this many tokens, gradients formed per chunk (model/loss.py:
+    chunked_head_cross_entropy; never holds the [B, T, V] fp32 logits)."""
+    extra, mask = model_inputs(batch, reset_at_documents), loss_mask(batch, reset_at_documents)
+    if ce_chunk_tokens:
+        hidden, aux = model.model(batch["inputs"], **extra)
+        bias = model.lm_head.bias[...] if model.lm_head is not None and model.lm_head.bias is not None else None
+        total, counted = chunked_head_cross_entropy(hidden, model.head_weight(), batch["targets"], mask, bias=bias,
+                                                    chunk_tokens=ce_chunk_tokens)
+        return total, counted, aux.expert_counts
+    logits, aux = model.forward(batch["inputs"], **extra)
+    terms, counted = token_cross_entropy_terms(logits, batch["targets"], mask)
+    return terms.sum(), counted.sum(), aux.expert_counts
+
+
 def make_loss_fn(graphdef, reset_at_documents: bool, *, ce_chunk_tokens: int | None = None):
-    """ce_chunk_tokens: run the vocabulary head and the cross-entropy in chunks of this many tokens, gradients formed
-    per chunk (zaya_jax/model/loss.py: chunked_head_cross_entropy; never holds the [B, T, V] fp32 logits)."""
     def loss_fn(params, model_state, batch):
-        model = nnx.merge(graphdef, params, model_state)
-        if ce_chunk_tokens:
-            hidden, aux = model.model(batch["inputs"], **model_inputs(batch, reset_at_documents))
-            bias = model.lm_head.bias[...] if model.lm_head is not None and model.lm_head.bias is not None else None
-            total, counted = chunked_head_cross_entropy(hidden, model.head_weight(), batch["targets"],
-                                                        loss_mask(batch, reset_at_documents), bias=bias,
-                                                        chunk_tokens=ce_chunk_tokens)
-            return total / jnp.maximum(counted, 1.0), aux.expert_counts
-        logits, aux = model.forward(batch["inputs"], **model_inputs(batch, reset_at_documents))
-        terms, counted = token_cross_entropy_terms(logits, batch["targets"], loss_mask(batch, reset_at_documents))
-        loss = terms.sum() / jnp.maximum(counted.sum(), 1.0)
-        return loss, aux.expert_counts
+        total, counted, counts = loss_sums(nnx.merge(graphdef, params, model_state), batch, reset_at_documents,
+                                           ce_chunk_tokens)
+        return total / jnp.maximum(counted, 1.0), counts
     return loss_fn
 
 
-def make_local_loss_sums(graphdef, reset_at_documents: bool, cp: ContextParallel | None = None):
+def make_local_loss_sums(graphdef, reset_at_documents: bool, cp: ContextParallel | None = None,
+                         ce_chunk_tokens: int | None = None):
     """make_loss_fn's loss as per-device sums, for data/context parallelism in shard_map
     (zaya_jax/parallel/data_parallel.py): (sum of token losses, counted tokens, expert counts) of this device's
-    rows; with cp, of its zigzag share of their tokens (zaya_jax/parallel/context.py)."""
+    rows; with cp, of its zigzag share of their tokens (zaya_jax/parallel/context.py; full logits there)."""
 
     def local_sums(params, model_state, batch):
         model = nnx.merge(graphdef, params, model_state)
-        extra = model_inputs(batch, reset_at_documents)
         if cp is None:
-            logits, aux = model.forward(batch["inputs"], **extra)
-        else:
-            logits, aux = cp.local_forward(model, batch["inputs"], extra.get("positions"), extra.get("segment_ids"))
-            batch = {k: cp.rows(v) for k, v in batch.items()}
+            return loss_sums(model, batch, reset_at_documents, ce_chunk_tokens)
+        extra = model_inputs(batch, reset_at_documents)
+        logits, aux = cp.local_forward(model, batch["inputs"], extra.get("positions"), extra.get("segment_ids"))
+        batch = {k: cp.rows(v) for k, v in batch.items()}
         terms, counted = token_cross_entropy_terms(logits, batch["targets"], loss_mask(batch, reset_at_documents))
         return terms.sum(), counted.sum(), aux.expert_counts
 
