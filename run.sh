@@ -41,7 +41,8 @@ cmd=${1:-train}
 [[ $# -gt 0 ]] && shift
 case $cmd in
   train) ensure_venv; exec .venv/bin/python -m launch.train "$@" ;;
-  test) ensure_venv; ensure_ref_venv; exec .venv/bin/python -m pytest "$@" ;;
+  # two workers, one test file each: most of the suite is single-threaded compilation (2 cores in CI)
+  test) ensure_venv; ensure_ref_venv; exec .venv/bin/python -m pytest -n "${ZAYA_TEST_WORKERS:-2}" --dist loadfile "$@" ;;
   python) ensure_venv; exec .venv/bin/python "$@" ;;
   *) echo "usage: ./run.sh [train|test|python] [ARGS...]" >&2; exit 2 ;;
 esac

@@ -235,12 +235,13 @@ def test_sharded_stacked_update_stays_sharded():
     seed = fresh_seed()
     params = {"experts": normal(seed, (8, 2, 64, 32))}
     grads = {"experts": normal(seed + 1, (8, 2, 64, 32))}
-    tx = muon(0.02, weight_decay=0.1)
+    # fp32 iteration: the check is about placement; in bf16 the two compilations may round one element apart
+    tx = muon(0.02, weight_decay=0.1, ns_dtype="float32")
     want, _ = jax.jit(tx.update)(grads, tx.init(params), params)
     shard = NamedSharding(mesh, P("data"))
     p_s, g_s = jax.device_put(params, shard), jax.device_put(grads, shard)
     state = jax.jit(tx.init)(p_s)
     got, state = jax.jit(tx.update)(g_s, state, p_s)
-    np.testing.assert_allclose(got["experts"], want["experts"], rtol=2e-2, atol=1e-4)
+    np.testing.assert_allclose(got["experts"], want["experts"], rtol=1e-4, atol=1e-6)
     assert got["experts"].sharding.is_equivalent_to(shard, 4)
     assert state[0].momentum["experts"].sharding.is_equivalent_to(shard, 4)
