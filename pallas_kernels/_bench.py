@@ -9,8 +9,6 @@ FLOPs count the causal forward as 2*B*T^2*H*d (half of the dense 4*B*T^2*H*d) an
 from __future__ import annotations
 
 import dataclasses
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +21,7 @@ from pallas_kernels import _platform, cca_attention, rmsnorm
 from pallas_kernels._platform import AttentionBlocks, NormLaunch
 from zaya_jax.ops import attention as attn_ops
 from zaya_jax.ops import rmsnorm as norm_ops
+from zaya_jax.systems.timing import seconds_per_call
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 EPS = 1e-5
@@ -30,16 +29,7 @@ EPS = 1e-5
 
 def time_call(fn, *args, reps: int = 7, calls: int = 10, warmup: int = 2) -> float:
     """Median seconds per call of an already-jitted fn."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - t0) / calls)
-    return statistics.median(samples)
+    return seconds_per_call(fn, *args, reps=reps, calls=calls, warmup=warmup)
 
 
 def _normal(key, shape, dtype, scale=1.0):
