@@ -8,7 +8,11 @@ multiply-adds of that product. An optional epilogue adds a symmetric addend, so 
 Lowering: Pallas with the Triton backend (the one Pallas GPU path that runs on ROCm and NVIDIA): fp32
 accumulation, output in the input dtype (bf16 in, bf16 out), no atomics, no inline assembly. On the CPU the same
 kernel runs in interpret mode. Inputs are zero-padded to whole tiles (zero rows of X give zero rows and columns
-of X Xᵀ, so the top-left block is exact) and the result is cut back; ZAYA1's Muon shapes need no padding.
+of X Xᵀ, so the top-left block is exact) and the result is cut back; ZAYA1's Muon shapes need no padding, and
+then nothing is copied.
+
+Tiles may be wide (tile x tile_cols, tile_cols a multiple of tile): the wider tile does more multiply-adds per byte
+loaded, at the price of computing whole tile_cols x tile_cols diagonal blocks (see `upper_tile_coords`).
 """
 
 from __future__ import annotations
@@ -28,14 +32,29 @@ from pallas_kernels import _platform
 
 @dataclasses.dataclass(frozen=True)
 class GramTiling:
-    """Output tile (tile x tile), contraction step tile_k, and Triton launch parameters. upper_only=False computes
-    every tile (no mirroring): the same kernel as a plain GEMM, kept to measure what the symmetry saves."""
+    """Output tile (tile x tile_cols; tile_cols 0 = square), contraction step tile_k, and Triton launch parameters.
+    upper_only=False computes every tile (no mirroring): the same kernel as a plain GEMM, kept to measure what the
+    symmetry saves."""
 
     tile: int = 128
     tile_k: int = 64
     num_warps: int = 8
     num_stages: int = 3
     upper_only: bool = True
+    tile_cols: int = 0
+
+    def __post_init__(self):
+        for name in ("tile", "tile_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"GramTiling.{name} must be a power of two >= 16 (Triton dot), got {value}")
+        if self.tile_cols and (self.tile_cols < self.tile or self.tile_cols & (self.tile_cols - 1)):
+            raise ValueError(f"GramTiling.tile_cols must be 0 or a power of two >= tile ({self.tile}), "
+                             f"got {self.tile_cols}")
+
+    @property
+    def cols(self) -> int:
+        return self.tile_cols or self.tile
 
 
 def default_tiling(dtype) -> GramTiling:
@@ -44,37 +63,51 @@ def default_tiling(dtype) -> GramTiling:
         return GramTiling(tile=32, tile_k=16, num_warps=4, num_stages=1)
     if jnp.dtype(dtype).itemsize >= 4:  # fp32 tiles take twice the shared memory per stage
         tiling = GramTiling(tile=64, tile_k=32, num_warps=4, num_stages=3)
-    else:
-        tiling = GramTiling()
+    else:  # fastest of the H200 sweep on 8 x 2048x2048 (benchmarks/muon_h200.json)
+        tiling = GramTiling(tile=128, tile_k=32, num_warps=4, num_stages=4)
     if vendor == "rocm":  # 64-lane wavefronts: half the warps for as many lanes; AMD's pipeliner wants <= 2 stages
         tiling = dataclasses.replace(tiling, num_warps=max(1, tiling.num_warps // 2),
                                      num_stages=min(2, tiling.num_stages))
     return tiling
 
 
-def num_upper_tiles(num_tile_rows: int) -> int:
-    return num_tile_rows * (num_tile_rows + 1) // 2
+def num_upper_tiles(num_tile_cols: int, wide: int = 1) -> int:
+    """Programs of the upper triangle: column block c (tile_cols wide) holds wide·(c + 1) row tiles."""
+    return wide * num_tile_cols * (num_tile_cols + 1) // 2
 
 
-def upper_tile_coords(p):
-    """Program p -> tile (row, col), row <= col, enumerating the upper triangle column by column:
-    (0,0), (0,1), (1,1), (0,2), ... so consecutive programs share the column block of X (L2 reuse).
-    col = floor((sqrt(8p + 1) - 1) / 2), corrected by one either way for float rounding."""
+def _triangle_col(u):
+    """u -> c with c(c+1)/2 <= u < (c+1)(c+2)/2: c = floor((sqrt(8u + 1) - 1) / 2), corrected by one either way
+    for float rounding."""
+    col = ((jnp.sqrt((8 * u + 1).astype(jnp.float32)) - 1.0) * 0.5).astype(jnp.int32)
+    col = jnp.where(lax.div((col + 1) * (col + 2), 2) <= u, col + 1, col)
+    return jnp.where(lax.div(col * (col + 1), 2) > u, col - 1, col)
+
+
+def upper_tile_coords(p, wide: int = 1):
+    """Program p -> (row tile, column block) of the upper triangle, column block by column block:
+    column block c (tile_cols = wide·tile wide) holds row tiles 0 .. wide·(c+1) - 1, i.e. every row tile that
+    starts above the block's bottom edge, so consecutive programs share the column block of X (L2 reuse).
+    Row tiles r < wide·c lie strictly above the diagonal and are mirrored; the `wide` tiles r >= wide·c
+    together cover the diagonal block whole (its lower part computed, not mirrored)."""
     p = jnp.asarray(p, jnp.int32)
-    col = ((jnp.sqrt((8 * p + 1).astype(jnp.float32)) - 1.0) * 0.5).astype(jnp.int32)
-    col = jnp.where(lax.div((col + 1) * (col + 2), 2) <= p, col + 1, col)
-    col = jnp.where(lax.div(col * (col + 1), 2) > p, col - 1, col)
-    row = p - lax.div(col * (col + 1), 2)
+    col = _triangle_col(lax.div(p, wide) if wide > 1 else p)
+    row = p - wide * lax.div(col * (col + 1), 2)
     return row, col
 
 
-def _gram_kernel(x_ref, *refs, tile: int, tile_k: int, k_steps: int, tile_rows: int, upper_only: bool,
-                 precision, alpha: float, beta: float):
+def _gram_kernel(x_ref, *refs, tile: int, tile_cols: int, tile_k: int, k_steps: int, num_col_blocks: int,
+                 upper_only: bool, precision, alpha: float, beta: float, diag: float):
     add_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
+    wide = tile_cols // tile
     p = pl.program_id(0)
-    row, col = upper_tile_coords(p) if upper_only else (lax.div(p, tile_rows), lax.rem(p, tile_rows))
-    rows = pl.ds(pl.multiple_of(row * tile, tile), tile)
-    cols = pl.ds(pl.multiple_of(col * tile, tile), tile)
+    if upper_only:
+        row, col = upper_tile_coords(p, wide)
+    else:
+        row, col = lax.div(p, num_col_blocks), lax.rem(p, num_col_blocks)
+    row0, col0 = row * tile, col * tile_cols
+    rows = pl.ds(pl.multiple_of(row0, tile), tile)
+    cols = pl.ds(pl.multiple_of(col0, tile_cols), tile_cols)
 
     def accumulate(k, acc):
         ks = pl.ds(pl.multiple_of(k * tile_k, tile_k), tile_k)
@@ -83,16 +116,20 @@ def _gram_kernel(x_ref, *refs, tile: int, tile_k: int, k_steps: int, tile_rows: 
         return acc + lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision,
                                      preferred_element_type=jnp.float32)
 
-    acc = lax.fori_loop(0, k_steps, accumulate, jnp.zeros((tile, tile), jnp.float32))
+    acc = lax.fori_loop(0, k_steps, accumulate, jnp.zeros((tile, tile_cols), jnp.float32))
+    # Epilogue in fp32 on the accumulator: alpha·X Xᵀ + beta·addend + diag·I.
     if alpha != 1.0:
         acc = alpha * acc
-    if add_ref is not None:  # fused epilogue, in fp32; the addend is symmetric, so its (col, row) tile is this one's ᵀ
+    if add_ref is not None:  # the addend is symmetric, so its (col, row) tile is this one's ᵀ
         acc = acc + beta * add_ref[rows, cols].astype(jnp.float32)
+    if diag != 0.0:  # 1-D iotas broadcast (Triton's make_range is 1-D)
+        on_diagonal = (row0 + jnp.arange(tile))[:, None] == (col0 + jnp.arange(tile_cols))[None, :]
+        acc = acc + jnp.where(on_diagonal, jnp.float32(diag), jnp.float32(0.0))
     out = acc.astype(o_ref.dtype)
-    o_ref[rows, cols] = out
+    o_ref[rows, cols] = out  # written once; the mirror below comes from the same registers
 
     if upper_only:
-        @pl.when(row != col)
+        @pl.when(row < wide * col)  # strictly above the diagonal block
         def _mirror():
             o_ref[cols, rows] = out.T
 
@@ -106,11 +143,12 @@ def _pad_to(x, axis: int, multiple: int):
     return jnp.pad(x, widths)
 
 
-@functools.partial(jax.jit, static_argnames=("alpha", "beta", "tiling", "interpret"))
-def symmetric_gram(x, addend=None, *, alpha: float = 1.0, beta: float = 1.0, tiling: GramTiling | None = None,
-                   interpret: bool | None = None):
-    """alpha·X Xᵀ (+ beta·addend) for x [..., m, k] (leading dims are batch dims) -> [..., m, m] in x.dtype, fp32
-    accumulation. `addend` [..., m, m] must be symmetric (Newton-Schulz: b·A + c·A·A in one pass over A)."""
+@functools.partial(jax.jit, static_argnames=("alpha", "beta", "diag", "tiling", "interpret"))
+def symmetric_gram(x, addend=None, *, alpha: float = 1.0, beta: float = 1.0, diag: float = 0.0,
+                   tiling: GramTiling | None = None, interpret: bool | None = None):
+    """alpha·X Xᵀ (+ beta·addend) (+ diag·I) for x [..., m, k] (leading dims are batch dims) -> [..., m, m] in
+    x.dtype, fp32 accumulation. `addend` [..., m, m] must be symmetric. Newton-Schulz's B = a·I + b·A + c·A·A is
+    one pass over A: symmetric_gram(A, A, alpha=c, beta=b, diag=a)."""
     if x.ndim < 2:
         raise ValueError(f"symmetric_gram needs a matrix or a stack of matrices, got shape {x.shape}")
     if addend is not None and addend.shape != x.shape[:-1] + (x.shape[-2],):
@@ -119,21 +157,24 @@ def symmetric_gram(x, addend=None, *, alpha: float = 1.0, beta: float = 1.0, til
     interpret = _platform.interpret() if interpret is None else interpret
     *batch, m, k = x.shape
     # A tile larger than the matrix would only add padding; Triton's dot needs at least 16.
-    tile = min(tiling.tile, max(16, pl.next_power_of_2(m)))
+    tile_cols = min(tiling.cols, max(16, pl.next_power_of_2(m)))
+    tile = min(tiling.tile, tile_cols)
     tile_k = min(tiling.tile_k, max(16, pl.next_power_of_2(k)))
     xb = x.reshape((math.prod(batch), m, k))
-    xb = _pad_to(_pad_to(xb, 1, tile), 2, tile_k)
+    xb = _pad_to(_pad_to(xb, 1, tile_cols), 2, tile_k)
     _, mp, kp = xb.shape
-    tile_rows = mp // tile
+    num_col_blocks = mp // tile_cols
     precision = lax.Precision.HIGHEST if jnp.dtype(x.dtype) == jnp.float32 else None
-    kernel = functools.partial(_gram_kernel, tile=tile, tile_k=tile_k, k_steps=kp // tile_k, tile_rows=tile_rows,
-                               upper_only=tiling.upper_only, precision=precision, alpha=float(alpha),
-                               beta=float(beta))
-    programs = num_upper_tiles(tile_rows) if tiling.upper_only else tile_rows * tile_rows
+    kernel = functools.partial(_gram_kernel, tile=tile, tile_cols=tile_cols, tile_k=tile_k, k_steps=kp // tile_k,
+                               num_col_blocks=num_col_blocks, upper_only=tiling.upper_only, precision=precision,
+                               alpha=float(alpha), beta=float(beta), diag=float(diag))
+    wide = tile_cols // tile
+    programs = (num_upper_tiles(num_col_blocks, wide) if tiling.upper_only
+                else (mp // tile) * num_col_blocks)
     square = pl.BlockSpec((None, mp, mp), lambda p, b: (b, 0, 0))
     operands, in_specs = [xb], [pl.BlockSpec((None, mp, kp), lambda p, b: (b, 0, 0))]
     if addend is not None:
-        operands.append(_pad_to(_pad_to(addend.reshape((xb.shape[0], m, m)), 1, tile), 2, tile))
+        operands.append(_pad_to(_pad_to(addend.reshape((xb.shape[0], m, m)), 1, tile_cols), 2, tile_cols))
         in_specs.append(square)
     out = pl.pallas_call(
         kernel,
@@ -145,7 +186,9 @@ def symmetric_gram(x, addend=None, *, alpha: float = 1.0, beta: float = 1.0, til
         interpret=interpret,
         name="symmetric_gram",
     )(*operands)
-    return out[:, :m, :m].reshape((*batch, m, m))
+    if mp != m:  # only a padded problem pays for the cut
+        out = out[:, :m, :m]
+    return out.reshape((*batch, m, m))
 
 
 def symmetric_square(a, **kw):
