@@ -8,10 +8,12 @@ import pytest
 
 from pallas_kernels.symmetric_matmul import (GramTiling, default_tiling, num_upper_tiles, symmetric_gram,
                                              symmetric_square, upper_tile_coords)
-from zaya_jax.ops.newton_schulz import gram_reference, newton_schulz, quintic_combination
+from zaya_jax.ops.newton_schulz import (QUINTIC_COEFFS, gram_reference, newton_schulz, newton_schulz_step,
+                                        quintic_combination, quintic_matrix)
 from zaya_jax.optim.muon import muon
 
 SMALL = GramTiling(tile=32, tile_k=16, num_warps=4, num_stages=1)  # several tiles on CPU-sized inputs
+WIDE = GramTiling(tile=16, tile_k=16, num_warps=4, num_stages=1, tile_cols=32)  # 16 x 32 tiles
 
 
 def fresh(shape, dtype=jnp.float32):
@@ -36,6 +38,23 @@ def test_tile_enumeration_covers_the_upper_triangle_once():
         assert pairs == {(i, j) for j in range(rows) for i in range(j + 1)}
 
 
+def test_wide_tile_enumeration_covers_the_upper_band_once():
+    """Column block c (2 row tiles wide) holds row tiles 0 .. 2c+1: everything above the diagonal plus the two
+    tiles that make up the diagonal block."""
+    coords = jax.jit(jax.vmap(lambda p: upper_tile_coords(p, 2)))
+    for blocks in (1, 2, 5, 32):
+        r, c = coords(jnp.arange(num_upper_tiles(blocks, 2)))
+        pairs = list(zip(r.tolist(), c.tolist()))
+        assert len(pairs) == len(set(pairs))
+        assert set(pairs) == {(i, j) for j in range(blocks) for i in range(2 * j + 2)}
+
+
+def test_tiling_is_validated():
+    for bad in (dict(tile=48), dict(tile_k=8), dict(tile=64, tile_cols=32), dict(tile_cols=96)):
+        with pytest.raises(ValueError, match="GramTiling"):
+            GramTiling(**bad)
+
+
 @pytest.mark.parametrize("shape", [(64, 64), (100, 70), (3, 50, 200), (2, 2, 33, 17), (16, 300)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_gram_equals_x_xt_fp32(shape):
@@ -44,6 +63,17 @@ def test_gram_equals_x_xt_fp32(shape):
     assert got.shape == shape[:-1] + (shape[-2],) and got.dtype == jnp.float32
     assert rel(got, gram_float64(x)) <= 1e-6, f"seed {seed}"
     np.testing.assert_array_equal(got, jnp.swapaxes(got, -1, -2))  # mirrored tiles: exactly symmetric
+
+
+@pytest.mark.parametrize("shape", [(96, 40), (2, 70, 50)], ids=lambda s: "x".join(map(str, s)))
+def test_wide_tiles_equal_x_xt(shape):
+    x, seed = fresh(shape)
+    got = np.asarray(symmetric_gram(x, tiling=WIDE, interpret=True), np.float64)
+    assert rel(got, gram_float64(x)) <= 1e-6, f"seed {seed}"
+    # Outside the 32 x 32 diagonal blocks every value is a mirror: exactly symmetric there.
+    m = shape[-2]
+    band = (np.arange(m)[:, None] // 32) == (np.arange(m)[None, :] // 32)
+    np.testing.assert_array_equal(np.where(band, 0, got), np.where(band, 0, np.swapaxes(got, -1, -2)))
 
 
 @pytest.mark.parametrize("shape", [(96, 160), (2, 72, 40)], ids=lambda s: "x".join(map(str, s)))
@@ -79,6 +109,9 @@ def test_only_upper_triangle_programs_are_launched():
 
     # 100 rows pad to 4 tiles of 32: 10 upper-triangle tiles (of 16) per matrix, 2 matrices.
     assert list(grids(jaxpr.jaxpr)) == [(10, 2)]
+    # Wide 16 x 32 tiles: 100 rows pad to 4 column blocks of 32, holding 2, 4, 6, 8 row tiles of 16.
+    jaxpr = jax.make_jaxpr(lambda x: symmetric_gram(x, tiling=WIDE, interpret=True))(x)
+    assert list(grids(jaxpr.jaxpr)) == [(20, 2)]
 
 
 def test_symmetric_square_equals_a_times_a():
@@ -100,6 +133,29 @@ def test_fused_epilogue_adds_a_symmetric_matrix(shape):
     assert rel(got, want) <= 1e-6, f"seed {seed}"
     with pytest.raises(ValueError, match="addend"):
         symmetric_gram(a, a[..., :10, :10])
+
+
+@pytest.mark.parametrize("tiling", [SMALL, WIDE], ids=["square", "wide"])
+def test_fused_epilogue_adds_a_diagonal(tiling):
+    """B = a I + b A + c A·A in one kernel (Newton-Schulz's folded step); 70 rows: padded, diag cut back."""
+    x, seed = fresh((2, 70, 70))
+    a = x + jnp.swapaxes(x, -1, -2)
+    got = symmetric_gram(a, a, alpha=2.0315, beta=-4.775, diag=3.4445, tiling=tiling, interpret=True)
+    a64 = np.asarray(a, np.float64)
+    want = 2.0315 * a64 @ a64 - 4.775 * a64 + 3.4445 * np.eye(70)
+    assert rel(got, want) <= 1e-6, f"seed {seed}"
+
+
+def test_quintic_matrix_and_step_kernel_equal_xla():
+    x, seed = fresh((2, 64, 96), jnp.bfloat16)
+    a = gram_reference(x)
+    want = quintic_matrix(a, QUINTIC_COEFFS)
+    got = quintic_matrix(a, QUINTIC_COEFFS, impl="pallas")
+    assert got.dtype == jnp.bfloat16
+    assert rel(got, np.asarray(want, np.float64)) <= 1e-2, f"seed {seed}"
+    step = newton_schulz_step(x, gram_impl="pallas", tiling=WIDE)
+    assert step.dtype == jnp.bfloat16 and step.shape == x.shape
+    assert rel(step, np.asarray(newton_schulz_step(x), np.float64)) <= 1e-2, f"seed {seed}"
 
 
 def test_quintic_combination_kernel_equals_xla():
@@ -149,7 +205,7 @@ def test_compiled_kernel_equals_xla_on_gpu(shape, dtype):
     assert rel(got, ref) <= 1.5 * rel(want, ref) + 1e-6, "kernel worse than XLA"
     # Mirrored (off-diagonal) tiles are exact transposes; inside a diagonal tile the MMA's summation order may
     # differ between (i, j) and (j, i), so those agree to rounding.
-    tile = default_tiling(dtype).tile
+    tile = default_tiling(dtype).cols  # the diagonal blocks (tile_cols wide) are computed, not mirrored
     m = shape[-2]
     diagonal = (np.arange(m)[:, None] // tile) == (np.arange(m)[None, :] // tile)
     got, got_t = np.asarray(got, np.float64), np.swapaxes(np.asarray(got, np.float64), -1, -2)
