@@ -6,9 +6,16 @@ carry different windows), loop ranges [B, n_blocks, 4] int32 (see `_attention_bl
 every block size and dp is a power of two >= 16; the wrapper pads. Query head h reads KV head h // groups through
 the BlockSpec index map, so repeated K/V are never materialised.
 
+Head stacking: a tile of query rows may hold `heads` query heads of one KV head at the same positions, stacked
+position-major ([block_q, heads, dp] -> [block_q * heads, dp]). All of them share every K/V tile, so one program
+does the work of `heads` programs with the same K/V loads, and the causal loop ranges (which depend on positions
+only) stay those of block_q positions: a 128-row tile of 32 positions x 4 heads wastes a quarter of the diagonal
+work of a 128-position tile. In dk/dv it widens the query side of every matmul from block_q to block_q * heads.
+
 Logits are kept in base 2: s2 = (q . k) * scale * log2(e), so the softmax uses exp2 and the saved statistic is
 lse2 = log2(sum 2^s2). Masked logits are NEG; a row that sees no key gets lse2 = DEAD_LSE and a zero output, so
-every exp2(s2 - lse2) of the backward is 0 for it.
+every exp2(s2 - lse2) of the backward is 0 for it. Unmasked steps scale the raw dot inside the exponent's
+argument (one fused multiply-add per logit) and only the row maxima separately.
 """
 
 from __future__ import annotations
@@ -30,6 +37,15 @@ NEG = -1.0e30
 DEAD_LSE = 1.0e30
 
 
+def stacked_heads(groups: int, requested: int) -> int:
+    """Query heads per tile: the largest power of two <= requested that divides the heads sharing a KV head
+    (Triton tiles have power-of-two sides)."""
+    heads = 1
+    while heads * 2 <= max(1, requested) and groups % (heads * 2) == 0:
+        heads *= 2
+    return heads
+
+
 def _visible(q_pos, kv_pos, q_seg, kv_seg, window):
     ok = kv_pos <= q_pos
     if window is not None:
@@ -37,6 +53,30 @@ def _visible(q_pos, kv_pos, q_seg, kv_seg, window):
     if q_seg is not None:
         ok = ok & (q_seg == kv_seg)
     return ok
+
+
+# Tiles with stacked heads: rows are (position, head) pairs, position-major.
+def _stack(tile, heads: int):
+    """[n, heads, dp] -> [n * heads, dp] (a [n, dp] tile when heads == 1 is returned as is)."""
+    return tile if heads == 1 else tile.reshape(tile.shape[0] * heads, tile.shape[-1])
+
+
+def _unstack(tile, heads: int):
+    return tile if heads == 1 else tile.reshape(tile.shape[0] // heads, heads, tile.shape[-1])
+
+
+def _per_row(vec, heads: int):
+    """[n] per position -> [n * heads] per stacked row."""
+    return vec if heads == 1 else jnp.broadcast_to(vec[:, None], (vec.shape[0], heads)).reshape(-1)
+
+
+def _stats_rows(stats, heads: int):
+    """[heads, n] row statistics (lse, delta) -> [n * heads] in stacked-row order."""
+    return stats if heads == 1 else stats.T.reshape(-1)
+
+
+def _stats_unstack(vec, heads: int):
+    return vec if heads == 1 else vec.reshape(vec.shape[0] // heads, heads).T
 
 
 def _three_loops(rng_ref, run, carry):
@@ -68,62 +108,78 @@ def _optional_inputs(q_spec, kv_spec, q_seg, kv_seg, window):
     return specs, arrays
 
 
+def _query_grid_specs(B, Tp, Sp, H, KV, dp, bq, heads):
+    """BlockSpecs of the (head block, batch, query block) grid of the forward and dq kernels: query-side tiles,
+    whole-sequence K/V of the head block's KV head, row statistics, position vectors and loop ranges. The
+    heaviest (last) query blocks launch first (grid axis 2 is the slowest): a shorter tail under causal
+    imbalance."""
+    nq, blocks_per_kv = Tp // bq, H // KV // heads
+
+    def qi(i):
+        return nq - 1 - i
+
+    head_dim = None if heads == 1 else heads
+    return dict(
+        q=pl.BlockSpec((None, bq, head_dim, dp), lambda h, b, i: (b, qi(i), h, 0)),
+        kv=pl.BlockSpec((None, Sp, None, dp), lambda h, b, i: (b, 0, lax.div(h, blocks_per_kv), 0)),
+        stats=pl.BlockSpec((None, head_dim, bq), lambda h, b, i: (b, h, qi(i))),
+        q_vec=pl.BlockSpec((None, bq), lambda h, b, i: (b, qi(i))),
+        kv_vec=pl.BlockSpec((None, Sp), lambda h, b, i: (b, 0)),
+        ranges=pl.BlockSpec((None, None, 4), lambda h, b, i: (b, qi(i), 0)),
+    )
+
+
 # ------------------------------------------------------------------------------------------------------ forward
-def _fwd_kernel(rng_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *rest, c, block_k, has_seg, has_window):
+def _fwd_kernel(rng_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *rest, c, block_k, heads, has_seg, has_window):
     qs_ref, ks_ref, window, (o_ref, lse_ref) = _optional_refs(rest, has_seg, has_window, 2)
-    q = q_ref[...]
-    block_q, dp = q.shape
-    q_pos = qp_ref[...][:, None]
-    q_seg = qs_ref[...][:, None] if has_seg else None
+    q = _stack(q_ref[...], heads)
+    rows, dp = q.shape
+    q_pos = _per_row(qp_ref[...], heads)[:, None]
+    q_seg = _per_row(qs_ref[...], heads)[:, None] if has_seg else None
 
     def run(lo, hi, carry, masked):
         def step(j, carry):
             acc, m, l = carry
             start = pl.multiple_of(j * block_k, block_k)
-            s = plgpu.dot(q, k_ref[pl.ds(start, block_k), :], trans_b=True) * c
+            qk = plgpu.dot(q, k_ref[pl.ds(start, block_k), :], trans_b=True)
             if masked:
                 kv_seg = ks_ref[pl.ds(start, block_k)][None, :] if has_seg else None
                 ok = _visible(q_pos, kp_ref[pl.ds(start, block_k)][None, :], q_seg, kv_seg, window)
-                s = jnp.where(ok, s, NEG)
-            m_new = jnp.maximum(m, jnp.max(s, axis=1))
+                s = jnp.where(ok, qk * c, NEG)
+                m_new = jnp.maximum(m, jnp.max(s, axis=1))
+                p = jnp.exp2(s - m_new[:, None])
+            else:
+                m_new = jnp.maximum(m, jnp.max(qk, axis=1) * c)
+                p = jnp.exp2(qk * c - m_new[:, None])
             alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - m_new[:, None])
             v = v_ref[pl.ds(start, block_k), :]
             acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
             return acc, m_new, l * alpha + jnp.sum(p, axis=1)
         return lax.fori_loop(lo, hi, step, carry)
 
-    init = (jnp.zeros((block_q, dp), F32), jnp.full((block_q,), NEG, F32), jnp.zeros((block_q,), F32))
+    init = (jnp.zeros((rows, dp), F32), jnp.full((rows,), NEG, F32), jnp.zeros((rows,), F32))
     acc, m, l = _three_loops(rng_ref, run, init)
     live = m > 0.5 * NEG
-    o_ref[...] = jnp.where(live[:, None], acc / l[:, None], 0.0).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(live, m + jnp.log2(l), DEAD_LSE)
+    o = jnp.where(live[:, None], acc / l[:, None], 0.0)
+    o_ref[...] = _unstack(o, heads).astype(o_ref.dtype)
+    lse_ref[...] = _stats_unstack(jnp.where(live, m + jnp.log2(l), DEAD_LSE), heads)
 
 
 def forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, window, ranges, *, scale, blocks):
     """-> (o [B, Tp, H, dp] q.dtype, lse2 [B, H, Tp] fp32)."""
     B, Tp, H, dp = q.shape
     Sp, KV = k.shape[1], k.shape[2]
-    groups, bq, bk = H // KV, blocks.fwd_q, blocks.fwd_k
-    nq = Tp // bq
-    has_seg = q_seg is not None
-
-    def qi(i):  # heaviest (last) query blocks launch first: shorter tail under causal imbalance
-        return nq - 1 - i
-
-    q_spec = pl.BlockSpec((None, bq, None, dp), lambda h, b, i: (b, qi(i), h, 0))
-    kv_spec = pl.BlockSpec((None, Sp, None, dp), lambda h, b, i: (b, 0, lax.div(h, groups), 0))
-    q_vec = pl.BlockSpec((None, bq), lambda h, b, i: (b, qi(i)))
-    kv_vec = pl.BlockSpec((None, Sp), lambda h, b, i: (b, 0))
-    opt_specs, opt_arrays = _optional_inputs(q_vec, kv_vec, q_seg, kv_seg, window)
-    in_specs = [pl.BlockSpec((None, None, 4), lambda h, b, i: (b, qi(i), 0)), q_spec, kv_spec, kv_spec, q_vec,
-                kv_vec] + opt_specs
+    bq, bk = blocks.fwd_q, blocks.fwd_k
+    heads = stacked_heads(H // KV, blocks.fwd_heads)
+    sp = _query_grid_specs(B, Tp, Sp, H, KV, dp, bq, heads)
+    opt_specs, opt_arrays = _optional_inputs(sp["q_vec"], sp["kv_vec"], q_seg, kv_seg, window)
+    in_specs = [sp["ranges"], sp["q"], sp["kv"], sp["kv"], sp["q_vec"], sp["kv_vec"]] + opt_specs
     return pl.pallas_call(
-        functools.partial(_fwd_kernel, c=scale * LOG2E, block_k=bk, has_seg=has_seg,
+        functools.partial(_fwd_kernel, c=scale * LOG2E, block_k=bk, heads=heads, has_seg=q_seg is not None,
                           has_window=window is not None),
-        grid=(H, B, nq),
+        grid=(H // heads, B, Tp // bq),
         in_specs=in_specs,
-        out_specs=[q_spec, pl.BlockSpec((None, None, bq), lambda h, b, i: (b, h, qi(i)))],
+        out_specs=[sp["q"], sp["stats"]],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, H, Tp), F32)],
         compiler_params=_platform.compiler_params(blocks.fwd_warps, blocks.fwd_stages),
         interpret=_platform.interpret(), name="cca_attention_fwd",
@@ -132,56 +188,49 @@ def forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, window, ranges, *, scale, blo
 
 # ----------------------------------------------------------------------------------------------------------- dq
 def _dq_kernel(rng_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, *rest, c, scale,
-               block_k, has_seg, has_window):
+               block_k, heads, has_seg, has_window):
     qs_ref, ks_ref, window, (dq_ref,) = _optional_refs(rest, has_seg, has_window, 1)
-    q, do = q_ref[...], do_ref[...]
-    lse, delta = lse_ref[...][:, None], delta_ref[...][:, None]
-    q_pos = qp_ref[...][:, None]
-    q_seg = qs_ref[...][:, None] if has_seg else None
+    q, do = _stack(q_ref[...], heads), _stack(do_ref[...], heads)
+    lse = _stats_rows(lse_ref[...], heads)[:, None]
+    delta = _stats_rows(delta_ref[...], heads)[:, None]
+    q_pos = _per_row(qp_ref[...], heads)[:, None]
+    q_seg = _per_row(qs_ref[...], heads)[:, None] if has_seg else None
 
     def run(lo, hi, dq, masked):
         def step(j, dq):
             start = pl.multiple_of(j * block_k, block_k)
             k = k_ref[pl.ds(start, block_k), :]
-            s = plgpu.dot(q, k, trans_b=True) * c
+            qk = plgpu.dot(q, k, trans_b=True)
             if masked:
                 kv_seg = ks_ref[pl.ds(start, block_k)][None, :] if has_seg else None
                 ok = _visible(q_pos, kp_ref[pl.ds(start, block_k)][None, :], q_seg, kv_seg, window)
-                s = jnp.where(ok, s, NEG)
-            p = jnp.exp2(s - lse)
+                p = jnp.exp2(jnp.where(ok, qk * c, NEG) - lse)
+            else:
+                p = jnp.exp2(qk * c - lse)
             dp = plgpu.dot(do, v_ref[pl.ds(start, block_k), :], trans_b=True)
             ds = p * (dp - delta)
             return dq + plgpu.dot(ds.astype(k.dtype), k)
         return lax.fori_loop(lo, hi, step, dq)
 
     dq = _three_loops(rng_ref, run, jnp.zeros(q.shape, F32))
-    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+    dq_ref[...] = _unstack(dq * scale, heads).astype(dq_ref.dtype)
 
 
 def backward_dq(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ranges, *, scale, blocks):
     B, Tp, H, dp = q.shape
     Sp, KV = k.shape[1], k.shape[2]
-    groups, bq, bk = H // KV, blocks.dq_q, blocks.dq_k
-    nq = Tp // bq
-    has_seg = q_seg is not None
-
-    def qi(i):
-        return nq - 1 - i
-
-    q_spec = pl.BlockSpec((None, bq, None, dp), lambda h, b, i: (b, qi(i), h, 0))
-    kv_spec = pl.BlockSpec((None, Sp, None, dp), lambda h, b, i: (b, 0, lax.div(h, groups), 0))
-    row_spec = pl.BlockSpec((None, None, bq), lambda h, b, i: (b, h, qi(i)))
-    q_vec = pl.BlockSpec((None, bq), lambda h, b, i: (b, qi(i)))
-    kv_vec = pl.BlockSpec((None, Sp), lambda h, b, i: (b, 0))
-    opt_specs, opt_arrays = _optional_inputs(q_vec, kv_vec, q_seg, kv_seg, window)
-    in_specs = [pl.BlockSpec((None, None, 4), lambda h, b, i: (b, qi(i), 0)), q_spec, kv_spec, kv_spec, q_spec,
-                row_spec, row_spec, q_vec, kv_vec] + opt_specs
+    bq, bk = blocks.dq_q, blocks.dq_k
+    heads = stacked_heads(H // KV, blocks.dq_heads)
+    sp = _query_grid_specs(B, Tp, Sp, H, KV, dp, bq, heads)
+    opt_specs, opt_arrays = _optional_inputs(sp["q_vec"], sp["kv_vec"], q_seg, kv_seg, window)
+    in_specs = [sp["ranges"], sp["q"], sp["kv"], sp["kv"], sp["q"], sp["stats"], sp["stats"], sp["q_vec"],
+                sp["kv_vec"]] + opt_specs
     return pl.pallas_call(
-        functools.partial(_dq_kernel, c=scale * LOG2E, scale=scale, block_k=bk, has_seg=has_seg,
-                          has_window=window is not None),
-        grid=(H, B, nq),
+        functools.partial(_dq_kernel, c=scale * LOG2E, scale=scale, block_k=bk, heads=heads,
+                          has_seg=q_seg is not None, has_window=window is not None),
+        grid=(H // heads, B, Tp // bq),
         in_specs=in_specs,
-        out_specs=q_spec,
+        out_specs=sp["q"],
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=_platform.compiler_params(blocks.dq_warps, blocks.dq_stages),
         interpret=_platform.interpret(), name="cca_attention_dq",
@@ -190,31 +239,40 @@ def backward_dq(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, 
 
 # ------------------------------------------------------------------------------------------------------- dk, dv
 def _dkv_kernel(rng_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, *rest, c, scale,
-                block_q, groups, has_seg, has_window):
-    """One key block of one KV head; loops over (query block, query head of the group) pairs."""
+                block_q, groups, heads, has_seg, has_window):
+    """One key block of one KV head; loops over (query block, block of `heads` query heads) pairs of its group.
+    The logits are computed transposed ([block_k, query rows]) so dk and dv accumulate without transposes."""
     qs_ref, ks_ref, window, (dk_ref, dv_ref) = _optional_refs(rest, has_seg, has_window, 2)
     k, v = k_ref[...], v_ref[...]
     kv_pos = kp_ref[...][:, None]
     kv_seg = ks_ref[...][:, None] if has_seg else None
+    head_blocks = groups // heads
+
+    def head_slice(h0):
+        return h0 if heads == 1 else pl.ds(h0, heads)
 
     def run(lo, hi, carry, masked):
         def step(t, carry):
             dk, dv = carry
-            head = lax.rem(t, groups)  # consecutive steps share a query block, so its positions stay in cache
-            start = pl.multiple_of((lo + lax.div(t, groups)) * block_q, block_q)
-            q = q_ref[pl.ds(start, block_q), head, :]
-            do = do_ref[pl.ds(start, block_q), head, :]
-            s_t = plgpu.dot(k, q, trans_b=True) * c  # [block_k, block_q]: transposed logits
+            # consecutive steps share a query block, so its positions and masks stay in cache
+            h0 = lax.rem(t, head_blocks) * heads
+            start = pl.multiple_of((lo + lax.div(t, head_blocks)) * block_q, block_q)
+            hs, rows = head_slice(h0), pl.ds(start, block_q)
+            q = _stack(q_ref[rows, hs, :], heads)
+            do = _stack(do_ref[rows, hs, :], heads)
+            qk_t = plgpu.dot(k, q, trans_b=True)  # [block_k, query rows]
+            lse = _stats_rows(lse_ref[hs, rows], heads)[None, :]
             if masked:
-                q_seg = qs_ref[pl.ds(start, block_q)][None, :] if has_seg else None
-                ok = _visible(qp_ref[pl.ds(start, block_q)][None, :], kv_pos, q_seg, kv_seg, window)
-                s_t = jnp.where(ok, s_t, NEG)
-            p_t = jnp.exp2(s_t - lse_ref[head, pl.ds(start, block_q)][None, :])
+                q_seg = _per_row(qs_ref[rows], heads)[None, :] if has_seg else None
+                ok = _visible(_per_row(qp_ref[rows], heads)[None, :], kv_pos, q_seg, kv_seg, window)
+                p_t = jnp.exp2(jnp.where(ok, qk_t * c, NEG) - lse)
+            else:
+                p_t = jnp.exp2(qk_t * c - lse)
             dv = dv + plgpu.dot(p_t.astype(do.dtype), do)
             dp_t = plgpu.dot(v, do, trans_b=True)
-            ds_t = p_t * (dp_t - delta_ref[head, pl.ds(start, block_q)][None, :])
+            ds_t = p_t * (dp_t - _stats_rows(delta_ref[hs, rows], heads)[None, :])
             return dk + plgpu.dot(ds_t.astype(q.dtype), q), dv
-        return lax.fori_loop(0, (hi - lo) * groups, step, carry)
+        return lax.fori_loop(0, (hi - lo) * head_blocks, step, carry)
 
     zeros = jnp.zeros(k.shape, F32)
     dk, dv = _three_loops(rng_ref, run, (zeros, zeros))
@@ -245,6 +303,7 @@ def backward_dkv(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window,
     nk = Sp // bk
     split = dkv_split(H, KV, B, nk, blocks.dkv_split)
     groups = H // KV // split  # query heads per program
+    heads = stacked_heads(groups, blocks.dkv_heads)
     has_seg = q_seg is not None
     # Program axis 0 = KV head * split + share; its query heads are share-block `g` of size `groups`.
     # Key block j = program axis 2 ascending: the first key blocks see the most queries under causal masks.
@@ -260,8 +319,8 @@ def backward_dkv(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window,
     out_dtype = k.dtype if split == 1 else F32  # partial sums stay fp32 until they are added
     out_shape = jax.ShapeDtypeStruct((B, Sp, KV * split, dp), out_dtype)
     dk, dv = pl.pallas_call(
-        functools.partial(_dkv_kernel, c=scale * LOG2E, scale=scale, block_q=bq, groups=groups, has_seg=has_seg,
-                          has_window=window is not None),
+        functools.partial(_dkv_kernel, c=scale * LOG2E, scale=scale, block_q=bq, groups=groups, heads=heads,
+                          has_seg=has_seg, has_window=window is not None),
         grid=(KV * split, B, nk),
         in_specs=in_specs,
         out_specs=[out_spec, out_spec],

@@ -37,19 +37,25 @@ def compiler_params(num_warps: int, num_stages: int) -> plgpu.CompilerParams:
 
 @dataclasses.dataclass(frozen=True)
 class AttentionBlocks:
-    """Tile sizes and launch parameters of the three attention kernels (forward, dq, dk/dv)."""
+    """Tile sizes and launch parameters of the three attention kernels (forward, dq, dk/dv).
+
+    `*_q` / `*_k` are query / key positions per tile; `*_heads` query heads of one KV head stacked into the same
+    tile (rows = positions x heads, see `_attention_kernels`; clipped to a power of two dividing the group)."""
     fwd_q: int = 128
     fwd_k: int = 64
     fwd_warps: int = 8
     fwd_stages: int = 3
+    fwd_heads: int = 1
     dq_q: int = 128
     dq_k: int = 64
     dq_warps: int = 8
     dq_stages: int = 3
+    dq_heads: int = 1
     dkv_q: int = 32
     dkv_k: int = 128
     dkv_warps: int = 8
     dkv_stages: int = 3
+    dkv_heads: int = 1
     dkv_split: int = 0  # programs per KV head in dk/dv (0: enough to fill the GPU, see backward_dkv)
 
     def clipped(self, q_len: int, kv_len: int) -> AttentionBlocks:
@@ -69,7 +75,9 @@ _ATTENTION = {
     "rocm": AttentionBlocks(fwd_q=128, fwd_k=64, fwd_warps=4, fwd_stages=1, dq_q=128, dq_k=64, dq_warps=4,
                             dq_stages=1, dkv_q=64, dkv_k=128, dkv_warps=4, dkv_stages=1),
     # Interpret mode: small tiles keep the CPU interpreter quick and exercise the multi-block paths.
-    "cpu": AttentionBlocks(fwd_q=32, fwd_k=16, dq_q=32, dq_k=16, dkv_q=16, dkv_k=32),
+    # Two stacked query heads per tile, so the tests cover stacking wherever the group allows it.
+    "cpu": AttentionBlocks(fwd_q=32, fwd_k=16, dq_q=32, dq_k=16, dkv_q=16, dkv_k=32, fwd_heads=2, dq_heads=2,
+                           dkv_heads=2),
 }
 
 

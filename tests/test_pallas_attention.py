@@ -50,12 +50,19 @@ def _check(q, k, v, do, dtype, blocks=None, **kw):
 
 
 # T = 45 is a multiple of no block; 8 query heads on 2 KV heads as in ZAYA1. dk/dv with the 4 query heads of
-# a KV head in one program, or shared by two (partial sums added afterwards; 4 in the tests that use the default).
-@pytest.mark.parametrize("dtype,dkv_split", [(jnp.float32, 1), (jnp.bfloat16, 2)])
-def test_causal_gqa(dtype, dkv_split):
+# a KV head in one program, or shared by two (partial sums added afterwards); query heads stacked into the rows
+# of one tile (1: one head per tile, 4: the whole group; the CPU default used by the other tests stacks 2).
+@pytest.mark.parametrize("dtype,dkv_split,heads", [(jnp.float32, 1, 1), (jnp.bfloat16, 2, 4)])
+def test_causal_gqa(dtype, dkv_split, heads):
     q, k, v, do = _qkv(0, 2, 45, 45, 8, 2, 32, dtype)
-    blocks = dataclasses.replace(_platform.attention_blocks(32), dkv_split=dkv_split)
+    blocks = dataclasses.replace(_platform.attention_blocks(32), dkv_split=dkv_split, fwd_heads=heads,
+                                 dq_heads=heads, dkv_heads=heads)
     _check(q, k, v, do, dtype, blocks=blocks)
+
+
+def test_stacked_heads_clip_to_the_group():
+    assert [pk.kern.stacked_heads(g, 4) for g in (1, 2, 3, 4, 6, 8)] == [1, 2, 1, 4, 2, 4]
+    assert pk.kern.stacked_heads(8, 1) == 1
 
 
 def test_odd_head_dim_group_of_three_and_mqa():
