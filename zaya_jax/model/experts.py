@@ -1,9 +1,11 @@
 """Dropless top-1 SwiGLU experts. gate_up_proj [E, 2I, D] (rows [0, I) gate, [I, 2I) up), down_proj [E, D, I].
 
 'ragged': tokens sorted by expert, two grouped GEMMs through lax.ragged_dot_general (contracting the stored
-[out, in] weights directly), unsorted by a gather. 'dense': every expert on every token, a one-hot select (the
-reference the tests pin 'ragged' against). A token routed to the skip class (index E) gets a zero output, as in
-the Hugging Face reference."""
+[out, in] weights directly), unsorted by a gather. 'pallas': tokens gathered into a layout where every expert's rows
+fill whole row tiles, two grouped GEMM kernels (pallas_kernels.grouped_matmul; XLA lowers ragged_dot on GPU to a
+dense dot over all experts), gathered back. 'dense': every expert on every token, a one-hot select (the reference
+the tests pin the others against). A token routed to the skip class (index E) gets a zero output, as in the
+Hugging Face reference."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from flax import nnx
 
 from zaya_jax.config import ModelConfig
 from zaya_jax.model.base import activation, compute_matmul, dtypes, normal_init
+from zaya_jax.ops import grouped_matmul as gmm
 
 _DN = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
                                         rhs_group_dimensions=[0])
@@ -33,7 +36,7 @@ class Experts(nnx.Module):
         skip = index >= cfg.num_experts
         index = jnp.where(skip, cfg.num_experts, index)
         weight = jnp.where(skip, 0.0, weight).astype(x.dtype)
-        impl = _ragged if cfg.moe_impl == "ragged" else _dense
+        impl = {"ragged": _ragged, "pallas": _pallas, "dense": _dense}[cfg.moe_impl]
         out = impl(x, index, self.gate_up_proj[...].astype(x.dtype), self.down_proj[...].astype(x.dtype),
                    activation(cfg.hidden_act))
         return jnp.where(skip[:, None], 0, out * weight[:, None])
@@ -53,6 +56,14 @@ def _ragged(x, index, w_gu, w_down, act):
     h = _swiglu(gu, act)
     out = jax.lax.ragged_dot_general(h, w_down, sizes, _DN, preferred_element_type=x.dtype)
     return out[jnp.argsort(order)]
+
+
+def _pallas(x, index, w_gu, w_down, act):
+    layout = gmm.tile_layout(index, w_gu.shape[0], gmm.block_rows(x.dtype))
+    xs = gmm.gather_rows(x, layout.src, layout.dst)  # padding rows are zeros
+    gu = gmm.grouped_matmul(xs, w_gu, layout.tile_group, impl="pallas")
+    out = gmm.grouped_matmul(_swiglu(gu, act), w_down, layout.tile_group, impl="pallas")
+    return gmm.gather_rows(out, layout.dst, layout.src)  # skip tokens read zeros
 
 
 def _dense(x, index, w_gu, w_down, act):

@@ -1,0 +1,146 @@
+"""Grouped-GEMM kernels of the MoE experts (Pallas, Triton lowering): forward / dgrad, and wgrad.
+
+Layout (built by `zaya_jax.ops.grouped_matmul.tile_layout`): rows sorted by group and every group padded to a whole
+number of `bm`-row tiles, so each row tile belongs to one group. `tile_group [T]` names it (non-decreasing; the value
+E marks idle tiles at the end). Weights are stored [E, out, in] as in PyTorch / the HF checkpoint.
+
+  rows_matmul  'nt': y[tile t] = x[tile t] @ w[g(t)]ᵀ   (contract w's `in`: the forward)
+               'nn': y[tile t] = x[tile t] @ w[g(t)]    (contract w's `out`: the data gradient)
+               idle tiles (g = E) get zero rows.
+  group_wgrad  dw[e] = dy[rows of e]ᵀ @ x[rows of e]  ->  [E, out, in]; a group without tiles gets zeros.
+
+Shapes must be whole tiles (the public wrapper pads): rows % bm == 0, every other dimension a multiple of the block
+that walks it. Accumulation is fp32; outputs are in the input dtype. All operands are whole-array refs indexed with
+pl.ds, because the expert of a tile is only known inside the kernel (read from tile_group).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _platform
+
+F32 = jnp.float32
+_NT = (((1,), (1,)), ((), ()))  # a @ bᵀ
+_NN = (((1,), (0,)), ((), ()))  # a @ b
+_TN = (((0,), (0,)), ((), ()))  # aᵀ @ b
+
+
+def _precision(dtype):
+    # fp32 operands: full-precision dots (Triton would otherwise use TF32); bf16: the tensor cores' native path.
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == F32 else None
+
+
+def swizzled_tile(p, num_row_tiles: int, num_col_tiles: int, group_rows: int):
+    """Program p -> (row tile, column tile), column-major inside bands of `group_rows` row tiles.
+
+    Programs that run together then cover a few row tiles (about one or two experts) times many column tiles: the
+    rows of x stay in L2 across the band, and the consecutive row tiles of one expert read the same weight tile, so
+    each expert's weights come from HBM about once instead of once per row tile."""
+    width = group_rows * num_col_tiles
+    band = lax.div(p, width)
+    first = band * group_rows
+    rows_here = jnp.minimum(num_row_tiles - first, group_rows)
+    within = lax.rem(p, width)
+    return first + lax.rem(within, rows_here), lax.div(within, rows_here)
+
+
+# ------------------------------------------------------------------------------------------- forward / dgrad
+def _rows_kernel(group_ref, x_ref, w_ref, o_ref, *, bm, bn, bk, k_steps, num_row_tiles, num_col_tiles, group_rows,
+                 num_groups, transpose_w, precision):
+    row, col = swizzled_tile(pl.program_id(0), num_row_tiles, num_col_tiles, group_rows)
+    g = group_ref[row]
+    rows = pl.ds(pl.multiple_of(row * bm, bm), bm)
+    cols = pl.ds(pl.multiple_of(col * bn, bn), bn)
+
+    @pl.when(g < num_groups)
+    def _compute():
+        def step(k, acc):
+            ks = pl.ds(pl.multiple_of(k * bk, bk), bk)
+            a = x_ref[rows, ks]
+            if transpose_w:
+                return acc + lax.dot_general(a, w_ref[g, cols, ks], _NT, precision=precision,
+                                             preferred_element_type=F32)
+            return acc + lax.dot_general(a, w_ref[g, ks, cols], _NN, precision=precision, preferred_element_type=F32)
+
+        acc = lax.fori_loop(0, k_steps, step, jnp.zeros((bm, bn), F32))
+        o_ref[rows, cols] = acc.astype(o_ref.dtype)
+
+    @pl.when(g >= num_groups)
+    def _idle():  # padding tiles past the last group: defined zeros (outputs are not zero-initialised)
+        o_ref[rows, cols] = jnp.zeros((bm, bn), o_ref.dtype)
+
+
+def rows_matmul(x, w, tile_group, *, transpose_w: bool, block_n: int, block_k: int, group_rows: int,
+                num_warps: int, num_stages: int, interpret: bool):
+    """'nt' (transpose_w=True): x [M, in] -> [M, out]; 'nn': x [M, out] -> [M, in]. w [E, out, in]."""
+    M, K = x.shape
+    E = w.shape[0]
+    T = tile_group.shape[0]
+    bm = M // T
+    n_out = w.shape[1] if transpose_w else w.shape[2]
+    contract = w.shape[2] if transpose_w else w.shape[1]
+    if M % T or K != contract or n_out % block_n or K % block_k:
+        raise ValueError(f"rows_matmul: x {x.shape}, w {w.shape}, {T} tiles, blocks ({block_n}, {block_k}) do not "
+                         f"tile (transpose_w={transpose_w})")
+    num_col_tiles = n_out // block_n
+    kernel = functools.partial(
+        _rows_kernel, bm=bm, bn=block_n, bk=block_k, k_steps=K // block_k, num_row_tiles=T,
+        num_col_tiles=num_col_tiles, group_rows=group_rows, num_groups=E, transpose_w=transpose_w,
+        precision=_precision(x.dtype))
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((M, n_out), x.dtype),
+        grid=(T * num_col_tiles,),
+        compiler_params=_platform.compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name="grouped_matmul_nt" if transpose_w else "grouped_matmul_nn",
+    )(tile_group, x, w)
+
+
+# ------------------------------------------------------------------------------------------------------ wgrad
+def _wgrad_kernel(start_ref, count_ref, dy_ref, x_ref, o_ref, *, bm, rows_step, bn, bk, num_n_tiles, num_k_tiles,
+                  precision):
+    p = pl.program_id(0)
+    per_group = num_n_tiles * num_k_tiles
+    e = lax.div(p, per_group)
+    within = lax.rem(p, per_group)  # k fastest: neighbouring programs share the same dy column block
+    cols = pl.ds(pl.multiple_of(lax.div(within, num_k_tiles) * bn, bn), bn)
+    ks = pl.ds(pl.multiple_of(lax.rem(within, num_k_tiles) * bk, bk), bk)
+    first_row = start_ref[e] * bm
+    steps = count_ref[e] * (bm // rows_step)  # dynamic trip count: this group's rows only; 0 for an empty group
+
+    def step(i, acc):
+        r = pl.ds(pl.multiple_of(first_row + i * rows_step, rows_step), rows_step)
+        return acc + lax.dot_general(dy_ref[r, cols], x_ref[r, ks], _TN, precision=precision,
+                                     preferred_element_type=F32)
+
+    acc = lax.fori_loop(0, steps, step, jnp.zeros((bn, bk), F32))
+    o_ref[e, cols, ks] = acc.astype(o_ref.dtype)
+
+
+def group_wgrad(dy, x, group_tile_start, group_tile_count, *, block_rows: int, block_n: int, block_k: int,
+                rows_step: int, num_warps: int, num_stages: int, interpret: bool):
+    """dy [M, out], x [M, in], per-group first tile and tile count [E] -> dw [E, out, in] in x.dtype."""
+    M, n_out = dy.shape
+    K = x.shape[1]
+    E = group_tile_start.shape[0]
+    if (x.shape[0] != M or M % block_rows or block_rows % rows_step or n_out % block_n or K % block_k):
+        raise ValueError(f"group_wgrad: dy {dy.shape}, x {x.shape}, rows {block_rows}/{rows_step}, blocks "
+                         f"({block_n}, {block_k}) do not tile")
+    kernel = functools.partial(
+        _wgrad_kernel, bm=block_rows, rows_step=rows_step, bn=block_n, bk=block_k, num_n_tiles=n_out // block_n,
+        num_k_tiles=K // block_k, precision=_precision(x.dtype))
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((E, n_out, K), x.dtype),
+        grid=(E * (n_out // block_n) * (K // block_k),),
+        compiler_params=_platform.compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name="grouped_matmul_wgrad",
+    )(group_tile_start, group_tile_count, dy, x)

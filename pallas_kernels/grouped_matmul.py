@@ -1,0 +1,165 @@
+"""Grouped GEMM of the MoE experts on a tile-padded layout, with its custom VJP (Pallas, Triton lowering).
+
+    grouped_matmul(x [M, in], w [E, out, in], tile_group [T]) -> y [M, out],
+    y[tile t] = x[tile t] @ w[tile_group[t]]ᵀ, zero rows for idle tiles (tile_group[t] == E).
+
+M = T * block_rows: the layout (zaya_jax.ops.grouped_matmul.tile_layout) sorts tokens by expert and pads every
+expert's rows to whole tiles, so a row tile never straddles two experts and each kernel program reads one expert's
+weights. Compared with lax.ragged_dot (which XLA lowers on GPU to a dense dot over all experts, masked) the work is
+the useful work plus the padding of the last tile of each expert (< E * block_rows rows).
+
+Backward: dx = dy @ w[g] per tile (the same kernel contracting w's `out` axis) and dw[e] = dy[rows of e]ᵀ x[rows of e]
+(a kernel per (expert, output tile) that loops over that expert's row tiles only). Dimensions that are not whole
+tiles are zero-padded here (zero columns add nothing to a contraction; extra output columns are cut off); ZAYA1's
+widths need no padding. fp32 accumulation throughout; outputs (dx, dw too) are in the input dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _grouped_kernels as kern
+from pallas_kernels import _platform
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedTiling:
+    """Tile sizes and Triton launch parameters of the three kernels.
+
+    block_rows is the layout's row tile (the padding unit of each expert's rows) and is shared by all three.
+    fwd_* / dgrad_*: output columns per program (n), contraction step (k); group_rows: row tiles per L2 band.
+    wgrad_*: output tile (n x k) of dw[e] per program, rows per contraction step (divides block_rows)."""
+
+    block_rows: int = 128
+    group_rows: int = 8
+    fwd_n: int = 128
+    fwd_k: int = 64
+    fwd_warps: int = 8
+    fwd_stages: int = 3
+    dgrad_n: int = 128
+    dgrad_k: int = 64
+    dgrad_warps: int = 8
+    dgrad_stages: int = 3
+    wgrad_n: int = 128
+    wgrad_k: int = 128
+    wgrad_rows: int = 64
+    wgrad_warps: int = 8
+    wgrad_stages: int = 3
+
+    def fitted(self, n_in: int, n_out: int) -> GroupedTiling:
+        """Tiles no wider than the (power-of-two rounded) matrix, never below 16 (Triton's smallest dot)."""
+        def fit(block, n):
+            return max(16, min(block, _platform.next_pow2(n)))
+        return dataclasses.replace(
+            self, fwd_n=fit(self.fwd_n, n_out), fwd_k=fit(self.fwd_k, n_in), dgrad_n=fit(self.dgrad_n, n_in),
+            dgrad_k=fit(self.dgrad_k, n_out), wgrad_n=fit(self.wgrad_n, n_out), wgrad_k=fit(self.wgrad_k, n_in))
+
+
+def default_tiling(dtype) -> GroupedTiling:
+    vendor = _platform.vendor()
+    if vendor == "cpu":  # interpret mode: small tiles keep the interpreter quick and exercise several tiles
+        return GroupedTiling(block_rows=16, group_rows=2, fwd_n=16, fwd_k=16, fwd_warps=4, fwd_stages=1,
+                             dgrad_n=16, dgrad_k=16, dgrad_warps=4, dgrad_stages=1, wgrad_n=16, wgrad_k=16,
+                             wgrad_rows=16, wgrad_warps=4, wgrad_stages=1)
+    tiling = GroupedTiling()
+    if jnp.dtype(dtype).itemsize >= 4:  # fp32 tiles take twice the shared memory per stage
+        tiling = dataclasses.replace(tiling, block_rows=64, fwd_n=64, fwd_k=32, fwd_warps=4, dgrad_n=64, dgrad_k=32,
+                                     dgrad_warps=4, wgrad_n=64, wgrad_k=64, wgrad_rows=32, wgrad_warps=4)
+    if vendor == "rocm":  # 64-lane wavefronts: half the warps for as many lanes; AMD's pipeliner wants <= 2 stages
+        tiling = dataclasses.replace(
+            tiling, fwd_warps=max(1, tiling.fwd_warps // 2), fwd_stages=min(2, tiling.fwd_stages),
+            dgrad_warps=max(1, tiling.dgrad_warps // 2), dgrad_stages=min(2, tiling.dgrad_stages),
+            wgrad_warps=max(1, tiling.wgrad_warps // 2), wgrad_stages=min(2, tiling.wgrad_stages))
+    return tiling
+
+
+def group_tiles(tile_group, num_groups: int):
+    """(first tile, number of tiles) of every group, from the non-decreasing tile -> group map."""
+    count = jnp.bincount(tile_group, length=num_groups + 1)[:num_groups].astype(jnp.int32)
+    return jnp.cumsum(count) - count, count
+
+
+# ----------------------------------------------------------------------------------------- the custom VJP
+def _forward(x, w, tile_group, t: GroupedTiling, interpret: bool):
+    return kern.rows_matmul(x, w, tile_group, transpose_w=True, block_n=t.fwd_n, block_k=t.fwd_k,
+                            group_rows=t.group_rows, num_warps=t.fwd_warps, num_stages=t.fwd_stages,
+                            interpret=interpret)
+
+
+def _dgrad(dy, w, tile_group, t: GroupedTiling, interpret: bool):
+    return kern.rows_matmul(dy, w, tile_group, transpose_w=False, block_n=t.dgrad_n, block_k=t.dgrad_k,
+                            group_rows=t.group_rows, num_warps=t.dgrad_warps, num_stages=t.dgrad_stages,
+                            interpret=interpret)
+
+
+def _wgrad(dy, x, tile_group, num_groups: int, t: GroupedTiling, interpret: bool):
+    start, count = group_tiles(tile_group, num_groups)
+    return kern.group_wgrad(dy, x, start, count, block_rows=x.shape[0] // tile_group.shape[0], block_n=t.wgrad_n,
+                            block_k=t.wgrad_k, rows_step=t.wgrad_rows, num_warps=t.wgrad_warps,
+                            num_stages=t.wgrad_stages, interpret=interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _gmm(x, w, tile_group, tiling, interpret):
+    return _forward(x, w, tile_group, tiling, interpret)
+
+
+def _gmm_fwd(x, w, tile_group, tiling, interpret):
+    return _forward(x, w, tile_group, tiling, interpret), (x, w, tile_group)
+
+
+def _gmm_bwd(tiling, interpret, res, dy):
+    x, w, tile_group = res
+    dy = dy.astype(x.dtype)
+    return (_dgrad(dy, w, tile_group, tiling, interpret), _wgrad(dy, x, tile_group, w.shape[0], tiling, interpret),
+            None)
+
+
+_gmm.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+def _pad_axis(a, axis: int, multiple: int):
+    extra = -a.shape[axis] % multiple
+    if not extra:
+        return a
+    widths = [(0, 0)] * a.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(a, widths)
+
+
+@functools.partial(jax.jit, static_argnames=("tiling", "interpret"))
+def grouped_matmul(x, w, tile_group, *, tiling: GroupedTiling | None = None, interpret: bool | None = None):
+    """x [T * block_rows, in], w [E, out, in], tile_group [T] int32 non-decreasing in [0, E] -> [T * block_rows, out].
+
+    Differentiable in x and w. The row tile is x.shape[0] // T (the layout's); `tiling.block_rows` is what the
+    layout should have been built with and is not consulted here."""
+    if x.ndim != 2 or w.ndim != 3 or tile_group.ndim != 1:
+        raise ValueError(f"grouped_matmul needs x [M, in], w [E, out, in], tile_group [T]; got {x.shape}, {w.shape}, "
+                         f"{tile_group.shape}")
+    if x.shape[1] != w.shape[2]:
+        raise ValueError(f"grouped_matmul: x has {x.shape[1]} input features, w {w.shape} expects {w.shape[2]}")
+    if x.shape[0] % tile_group.shape[0]:
+        raise ValueError(f"grouped_matmul: {x.shape[0]} rows are not {tile_group.shape[0]} whole tiles")
+    if x.dtype != w.dtype:
+        raise ValueError(f"grouped_matmul: x is {x.dtype} but w is {w.dtype}; cast to one compute dtype")
+    n_in, n_out = w.shape[2], w.shape[1]
+    if (x.shape[0] // tile_group.shape[0]) % 16:
+        raise ValueError(f"grouped_matmul: the row tile {x.shape[0] // tile_group.shape[0]} must be a multiple of 16")
+    t = (tiling or default_tiling(x.dtype)).fitted(n_in, n_out)
+    # the wgrad row step must divide the row tile (both multiples of 16, the step a power of two)
+    t = dataclasses.replace(t, wgrad_rows=math.gcd(t.wgrad_rows, x.shape[0] // tile_group.shape[0]))
+    interpret = _platform.interpret() if interpret is None else interpret
+    in_multiple = max(t.fwd_k, t.dgrad_n, t.wgrad_k)  # every block that walks `in` divides it (powers of two)
+    out_multiple = max(t.fwd_n, t.dgrad_k, t.wgrad_n)
+    xp = _pad_axis(x, 1, in_multiple)
+    wp = _pad_axis(_pad_axis(w, 2, in_multiple), 1, out_multiple)
+    y = _gmm(xp, wp, tile_group.astype(jnp.int32), t, interpret)
+    return y[:, :n_out]
+
+
+__all__ = ["GroupedTiling", "default_tiling", "group_tiles", "grouped_matmul"]

@@ -1,0 +1,264 @@
+"""The MoE grouped-GEMM kernels (interpret mode on the CPU; compiled on a GPU): the tile-padded layout, forward,
+dgrad and wgrad against the jnp reference, the custom VJP, and the experts / the model with moe_impl='pallas'
+against 'ragged'."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from pallas_kernels import _grouped_kernels as kern
+from pallas_kernels.grouped_matmul import GroupedTiling, default_tiling, group_tiles, grouped_matmul
+from zaya_jax import config as zc
+from zaya_jax.model import ZayaForCausalLM
+from zaya_jax.model.experts import Experts
+from zaya_jax.ops import grouped_matmul as gmm
+
+# 16-row tiles, 16-wide blocks: several tiles and K steps on CPU-sized inputs
+SMALL = GroupedTiling(block_rows=16, group_rows=2, fwd_n=16, fwd_k=16, fwd_warps=4, fwd_stages=1, dgrad_n=16,
+                      dgrad_k=16, dgrad_warps=4, dgrad_stages=1, wgrad_n=16, wgrad_k=16, wgrad_rows=16,
+                      wgrad_warps=4, wgrad_stages=1)
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+
+
+def rng_and_seed():
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    return np.random.default_rng(seed), seed
+
+
+def normal(rng, shape, dtype):
+    return jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
+
+
+def routing(rng, kind: str, n: int, E: int):
+    """index [N] in [0, E] (E = skip) of a named routing pattern."""
+    if kind == "mixed":  # random, ~10% skip, expert 1 never chosen (an empty group between non-empty ones)
+        idx = rng.choice(np.array([e for e in range(E) if e != 1]), n)
+        idx[rng.random(n) < 0.1] = E
+    elif kind == "one_expert":
+        idx = np.full(n, E - 1)
+    elif kind == "all_skip":
+        idx = np.full(n, E)
+    else:
+        raise ValueError(kind)
+    return jnp.asarray(idx, jnp.int32)
+
+
+def rel(a, ref):
+    a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
+    assert np.all(np.isfinite(a))
+    return np.linalg.norm(a - ref) / max(np.linalg.norm(ref), 1e-30)
+
+
+def per_token(x, w, index):
+    """y[n] = x[n] @ w[index[n]]ᵀ, zero for skip tokens, in float64 (the definition, without any layout)."""
+    x, w, index = np.asarray(x, np.float64), np.asarray(w, np.float64), np.asarray(index)
+    E = w.shape[0]
+    y = np.einsum("nd,nod->no", x, w[np.minimum(index, E - 1)])
+    return np.where((index < E)[:, None], y, 0.0)
+
+
+# ------------------------------------------------------------------------------------------------------ layout
+@pytest.mark.parametrize("kind", ["mixed", "one_expert", "all_skip"])
+def test_layout_tiles_hold_one_group_and_the_gathers_invert(kind):
+    rng, seed = rng_and_seed()
+    n, E, bm = 53, 5, 16
+    index = routing(rng, kind, n, E)
+    lay = jax.jit(gmm.tile_layout, static_argnums=(1, 2))(index, E, bm)
+    src, dst, tg = map(np.asarray, lay)
+    idx = np.asarray(index)
+    n_pad = gmm.padded_rows(n, E, bm)
+    assert src.shape == (n_pad,) and dst.shape == (n,) and tg.shape == (n_pad // bm,)
+    assert np.all(np.diff(tg) >= 0) and tg.min() >= 0 and tg.max() <= E, f"seed {seed}"
+    routed = idx < E
+    assert np.all(dst[~routed] == n_pad)
+    assert np.all(tg[dst[routed] // bm] == idx[routed]), f"seed {seed}: a token sits in another group's tile"
+    assert np.all(src[dst[routed]] == np.nonzero(routed)[0])
+    assert np.sum(src < n) == routed.sum() and np.all(src[src >= n] == n)
+    # tokens keep their order inside a group (a stable sort), and each group starts on a fresh tile
+    for e in range(E):
+        rows = dst[idx == e]
+        assert np.all(np.diff(rows) == 1) and (rows.size == 0 or rows[0] % bm == 0)
+    start, count = map(np.asarray, group_tiles(jnp.asarray(tg), E))
+    np.testing.assert_array_equal(count, -(-np.bincount(idx, minlength=E + 1)[:E] // bm))
+    np.testing.assert_array_equal(start, np.cumsum(count) - count)
+
+
+def test_gather_rows_backward_is_the_inverse_gather():
+    rng, seed = rng_and_seed()
+    n, E, bm, d = 29, 3, 16, 8
+    index = routing(rng, "mixed", n, E)
+    lay = gmm.tile_layout(index, E, bm)
+    x = normal(rng, (n, d), jnp.float32)
+    xs, pull = jax.vjp(lambda x: gmm.gather_rows(x, lay.src, lay.dst), x)
+    ct = normal(rng, xs.shape, jnp.float32)
+    # the transpose of the gather by src, written as the scatter-add it would otherwise be
+    want = jnp.zeros((n + 1, d)).at[lay.src].add(ct)[:n]
+    np.testing.assert_allclose(pull(ct)[0], want, rtol=0, atol=0, err_msg=f"seed {seed}")
+
+
+# ------------------------------------------------------------------------------------------------ the kernels
+CASES = [("mixed", 53, 5, 24, 40), ("one_expert", 37, 3, 48, 32), ("all_skip", 20, 3, 16, 16)]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind,n,E,d_in,d_out", CASES, ids=[c[0] for c in CASES])
+def test_forward_dgrad_wgrad_match_reference(kind, n, E, d_in, d_out, dtype):
+    """The custom VJP's three kernels against the reference and its autodiff. d_in/d_out are not multiples of
+    the 16-wide blocks in the mixed case (padded inside); group sizes include zeros and non-multiples of 16."""
+    rng, seed = rng_and_seed()
+    index = routing(rng, kind, n, E)
+    lay = gmm.tile_layout(index, E, SMALL.block_rows)
+    x = gmm.gather_rows(normal(rng, (n, d_in), dtype), lay.src, lay.dst)
+    w = normal(rng, (E, d_out, d_in), dtype)
+    dy = normal(rng, (x.shape[0], d_out), dtype)
+
+    y, pull = jax.vjp(lambda x, w: grouped_matmul(x, w, lay.tile_group, tiling=SMALL, interpret=True), x, w)
+    dx, dw = pull(dy)
+    up = lambda a: a.astype(jnp.float32)  # noqa: E731 - reference in fp32 from the same (bf16) values
+    y_ref, pull_ref = jax.vjp(lambda x, w: gmm.grouped_matmul_reference(x, w, lay.tile_group), up(x), up(w))
+    dx_ref, dw_ref = pull_ref(up(dy))
+    assert y.dtype == dx.dtype == dw.dtype == dtype
+    assert y.shape == (x.shape[0], d_out) and dx.shape == x.shape and dw.shape == w.shape
+    tol = TOL[dtype]
+    for name, got, want in (("y", y, y_ref), ("dx", dx, dx_ref), ("dw", dw, dw_ref)):
+        if not np.any(np.asarray(want)):  # all tokens skipped: exact zeros
+            np.testing.assert_array_equal(np.asarray(got, np.float32), 0.0, err_msg=f"{name}, seed {seed}")
+        else:
+            assert rel(got, want) <= tol, f"{name} rel err {rel(got, want):.2e}, seed {seed}"
+    # the layout round trip gives each token its own expert's product (and zeros for skip tokens)
+    tok = gmm.gather_rows(y, lay.dst, lay.src)
+    if kind != "all_skip":
+        assert rel(tok, per_token(up(gmm.gather_rows(x, lay.dst, lay.src)), up(w), index)) <= tol, f"seed {seed}"
+
+
+def test_dgrad_kernel_contracts_the_output_axis():
+    """rows_matmul 'nn' alone: x [M, out] @ w[g] [out, in] per tile, idle tiles zero (here 2 idle tiles)."""
+    rng, seed = rng_and_seed()
+    E, bm, d_out, d_in = 3, 16, 32, 48
+    tile_group = jnp.asarray([0, 0, 2, 3, 3], jnp.int32)  # group 1 empty, last two tiles idle
+    x = normal(rng, (5 * bm, d_out), jnp.float32)
+    w = normal(rng, (E, d_out, d_in), jnp.float32)
+    got = kern.rows_matmul(x, w, tile_group, transpose_w=False, block_n=16, block_k=16, group_rows=2, num_warps=4,
+                           num_stages=1, interpret=True)
+    g = np.repeat(np.asarray(tile_group), bm)
+    want = np.where((g < E)[:, None], np.einsum("mo,moi->mi", np.asarray(x, np.float64),
+                                                np.asarray(w, np.float64)[np.minimum(g, E - 1)]), 0.0)
+    assert rel(got, want) <= 1e-6, f"seed {seed}"
+    np.testing.assert_array_equal(np.asarray(got)[3 * bm:], 0.0)
+
+
+def test_wgrad_kernel_sums_each_groups_rows_and_zeroes_empty_groups():
+    rng, seed = rng_and_seed()
+    E, bm, d_out, d_in = 4, 16, 32, 16
+    tile_group = jnp.asarray([0, 2, 2, 2, 4], jnp.int32)  # groups 1 and 3 empty, one idle tile
+    start, count = group_tiles(tile_group, E)
+    dy = normal(rng, (5 * bm, d_out), jnp.float32)
+    x = normal(rng, (5 * bm, d_in), jnp.float32)
+    got = kern.group_wgrad(dy, x, start, count, block_rows=bm, block_n=16, block_k=16, rows_step=8 * 2,
+                           num_warps=4, num_stages=1, interpret=True)
+    g = np.repeat(np.asarray(tile_group), bm)
+    dy64, x64 = np.asarray(dy, np.float64), np.asarray(x, np.float64)
+    want = np.stack([dy64[g == e].T @ x64[g == e] for e in range(E)])
+    assert rel(got, want) <= 1e-6, f"seed {seed}"
+    np.testing.assert_array_equal(np.asarray(got)[[1, 3]], 0.0)
+
+
+def test_bad_inputs_raise_clear_errors():
+    x = jnp.zeros((32, 8))
+    with pytest.raises(ValueError, match="input features"):
+        grouped_matmul(x, jnp.zeros((2, 4, 9)), jnp.zeros((2,), jnp.int32), tiling=SMALL, interpret=True)
+    with pytest.raises(ValueError, match="whole tiles"):
+        grouped_matmul(x, jnp.zeros((2, 4, 8)), jnp.zeros((3,), jnp.int32), tiling=SMALL, interpret=True)
+    with pytest.raises(ValueError, match="compute dtype"):
+        grouped_matmul(x, jnp.zeros((2, 4, 8), jnp.bfloat16), jnp.zeros((2,), jnp.int32), tiling=SMALL,
+                       interpret=True)
+    with pytest.raises(ValueError, match="unknown impl"):
+        gmm.grouped_matmul(x, jnp.zeros((2, 4, 8)), jnp.zeros((2,), jnp.int32), impl="cuda")
+
+
+# ---------------------------------------------------------------------------------------- experts and model
+def _experts_out_and_grads(cfg, x, index, weight):
+    module = Experts(cfg, nnx.Rngs(0))
+    graphdef, params = nnx.split(module, nnx.Param)
+
+    def loss(params, x, weight):
+        out = nnx.merge(graphdef, params)(x, index, weight)
+        return jnp.sum(out * jnp.cos(jnp.arange(out.size, dtype=out.dtype).reshape(out.shape))), out
+
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(params, x, weight)
+    return out, grads
+
+
+def test_experts_pallas_matches_ragged_with_skip_tokens():
+    """Routing weight, skip class (index E and beyond) and gradients to x, weights and routing weights."""
+    rng, seed = rng_and_seed()
+    cfg = zc.tiny(dtype="float32", hidden_size=40, moe_intermediate_size=24, num_experts=4)
+    n, E = 45, cfg.num_experts
+    index = routing(rng, "mixed", n, E).at[:3].set(E + 2)  # out-of-range classes count as skip too
+    x = normal(rng, (n, cfg.hidden_size), jnp.float32)
+    weight = jnp.asarray(rng.random(n), jnp.float32)
+    want, want_grads = _experts_out_and_grads(cfg.replace(moe_impl="ragged"), x, index, weight)
+    got, got_grads = _experts_out_and_grads(cfg.replace(moe_impl="pallas"), x, index, weight)
+    np.testing.assert_array_equal(np.asarray(got)[np.asarray(index) >= E], 0.0)
+    assert rel(got, want) <= 1e-5, f"seed {seed}"
+    for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+        assert rel(a, b) <= 1e-5, f"seed {seed}"
+
+
+def _loss_and_grads(cfg, ids):
+    model = ZayaForCausalLM(cfg, seed=0)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    @jax.jit
+    def run(params):
+        def loss(params):
+            logits = nnx.merge(graphdef, params, rest)(ids)
+            return jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+        return jax.value_and_grad(loss)(params)
+
+    return run(params)
+
+
+def test_tiny_model_pallas_matches_ragged():
+    cfg = zc.tiny(num_hidden_layers=1, dtype="float32", vocab_size=128, hidden_size=64, moe_intermediate_size=32,
+                  num_experts=4)
+    ids = jax.random.randint(jax.random.key(1), (2, 24), 3, cfg.vocab_size)
+    ref_loss, ref_grads = _loss_and_grads(cfg.replace(moe_impl="ragged"), ids)
+    loss, grads = _loss_and_grads(cfg.replace(moe_impl="pallas"), ids)
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    flat, ref_flat = jax.tree.leaves(grads), jax.tree.leaves(ref_grads)
+    num = sum(float(jnp.sum((a - b) ** 2)) for a, b in zip(flat, ref_flat))
+    den = sum(float(jnp.sum(b ** 2)) for b in ref_flat)
+    assert (num / den) ** 0.5 <= 1e-5
+    expert_grads = [g for p, g in jax.tree_util.tree_leaves_with_path(grads) if "experts" in jax.tree_util.keystr(p)]
+    assert expert_grads and all(float(jnp.abs(g).max()) > 0 for g in expert_grads)
+
+
+def test_config_accepts_pallas_and_rejects_unknown_moe_impl():
+    assert zc.tiny(moe_impl="pallas").moe_impl == "pallas"
+    with pytest.raises(zc.ConfigError, match="moe_impl"):
+        zc.tiny(moe_impl="megablocks")
+
+
+# ------------------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
+def test_compiled_kernels_match_reference_on_gpu(dtype):
+    """Default tilings, compiled by Triton: a routing with an empty expert and skip tokens, widths that need no
+    padding (ZAYA1's) and one that does."""
+    rng, seed = rng_and_seed()
+    n, E = 3000, 8
+    index = routing(rng, "mixed", n, E)
+    lay = gmm.tile_layout(index, E, default_tiling(dtype).block_rows)
+    for d_in, d_out in ((512, 1024), (320, 200)):
+        x = gmm.gather_rows(normal(rng, (n, d_in), dtype), lay.src, lay.dst)
+        w = normal(rng, (E, d_out, d_in), dtype)
+        dy = normal(rng, (x.shape[0], d_out), dtype)
+        y, pull = jax.vjp(lambda x, w: grouped_matmul(x, w, lay.tile_group), x, w)
+        dx, dw = pull(dy)
+        up = lambda a: a.astype(jnp.float32)  # noqa: E731
+        y_ref, pull_ref = jax.vjp(lambda x, w: gmm.grouped_matmul_reference(x, w, lay.tile_group), up(x), up(w))
+        for name, got, want in zip(("y", "dx", "dw"), (y, dx, dw), (y_ref, *pull_ref(up(dy)))):
+            assert rel(got, want) <= TOL[dtype], f"{name} {d_in}x{d_out} rel err {rel(got, want):.2e}, seed {seed}"

@@ -1,0 +1,112 @@
+"""Grouped GEMM of the top-1 MoE on a tile-padded layout: the layout, the row permutations, the jnp reference.
+
+Layout for `block_rows` = bm: tokens sorted by group (expert); each group's rows padded up to a multiple of bm, so
+every row tile of the padded matrix belongs to one group. The padded length is static: at most
+N + E*(bm-1) rows are needed, rounded up to whole tiles; tiles past the last group are idle (group E).
+
+    src [Np]     token that fills each padded row; N (out of range) for padding rows, which read as zeros
+    dst [N]      padded row of each token; Np (out of range) for tokens routed to the skip class E
+    tile_group [T]  group of each row tile, non-decreasing, E for idle tiles
+
+Rows move by gathers in both directions (`gather_rows`): the backward of "gather by src" is "gather by dst" and
+vice versa, because the two index maps are inverse bijections between routed tokens and real padded rows. So no
+activation-sized scatter appears in the forward or the backward.
+
+grouped_matmul(x [Np, in], w [E, out, in], tile_group) -> [Np, out]: y[tile t] = x[tile t] @ w[g(t)]ᵀ, zero rows for
+idle tiles; impl 'xla' is the jnp reference below (tests, small shapes), 'pallas' the kernels in
+pallas_kernels.grouped_matmul (Triton on GPU, interpret mode on the CPU).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class TileLayout(NamedTuple):
+    src: jax.Array  # [Np] int32
+    dst: jax.Array  # [N] int32
+    tile_group: jax.Array  # [T] int32
+
+
+def padded_rows(num_tokens: int, num_groups: int, block_rows: int) -> int:
+    """Static padded length: enough whole tiles for any routing of num_tokens tokens over num_groups groups."""
+    return -(-(num_tokens + num_groups * (block_rows - 1)) // block_rows) * block_rows
+
+
+def tile_layout(index, num_groups: int, block_rows: int) -> TileLayout:
+    """index [N] int in [0, num_groups] (num_groups = skip: the token gets no row) -> TileLayout."""
+    if index.ndim != 1:
+        raise ValueError(f"tile_layout needs a flat [N] index, got shape {index.shape}")
+    if block_rows <= 0:
+        raise ValueError(f"block_rows must be positive, got {block_rows}")
+    n = index.shape[0]
+    E, bm = num_groups, block_rows
+    n_pad = padded_rows(n, E, bm)
+    index = jnp.clip(index.astype(jnp.int32), 0, E)
+    onehot = jax.nn.one_hot(index, E + 1, dtype=jnp.int32)
+    sizes = onehot.sum(axis=0)[:E]
+    # rank of each token among the tokens of its group, in token order (a stable sort without sorting)
+    rank = jnp.take_along_axis(jnp.cumsum(onehot, axis=0), index[:, None], axis=1)[:, 0] - 1
+    tiles = -(-sizes // bm)
+    tile_end = jnp.cumsum(tiles)
+    first_row = (tile_end - tiles) * bm  # [E]
+    routed = index < E
+    dst = jnp.where(routed, first_row[jnp.minimum(index, E - 1)] + rank, n_pad).astype(jnp.int32)
+    # src is the inverse of dst on the routed tokens; an integer scatter of N indices (the activations only gather)
+    src = jnp.full((n_pad,), n, jnp.int32).at[dst].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
+    tile_group = jnp.searchsorted(tile_end, jnp.arange(n_pad // bm, dtype=tile_end.dtype), side="right")
+    return TileLayout(src=src, dst=dst, tile_group=tile_group.astype(jnp.int32))
+
+
+@jax.custom_vjp
+def gather_rows(x, rows, inverse_rows):
+    """x[rows] with zero rows where rows is out of range; `inverse_rows` must invert `rows` on its in-range
+    entries (and be out of range elsewhere): the backward is the gather of the cotangent by `inverse_rows`."""
+    return jnp.take(x, rows, axis=0, mode="fill", fill_value=0)
+
+
+def _gather_fwd(x, rows, inverse_rows):
+    return gather_rows(x, rows, inverse_rows), (rows, inverse_rows)
+
+
+def _gather_bwd(res, dy):
+    rows, inverse_rows = res
+    return jnp.take(dy, inverse_rows, axis=0, mode="fill", fill_value=0), None, None
+
+
+gather_rows.defvjp(_gather_fwd, _gather_bwd)
+
+
+def grouped_matmul_reference(x, w, tile_group):
+    """Per-tile weight gather and a batched GEMM (exact, [T, out, in] of memory: for tests and small shapes)."""
+    E = w.shape[0]
+    T = tile_group.shape[0]
+    bm = x.shape[0] // T
+    wt = w[jnp.minimum(tile_group, E - 1)]
+    y = jnp.einsum("tmk,tok->tmo", x.reshape(T, bm, x.shape[1]), wt, preferred_element_type=x.dtype)
+    y = jnp.where((tile_group < E)[:, None, None], y, jnp.zeros((), y.dtype))
+    return y.reshape(x.shape[0], w.shape[1])
+
+
+def grouped_matmul(x, w, tile_group, *, impl: str = "xla"):
+    if impl == "xla":
+        return grouped_matmul_reference(x, w, tile_group)
+    if impl == "pallas":
+        from pallas_kernels import grouped_matmul as k
+        return k.grouped_matmul(x, w, tile_group)
+    raise ValueError(f"grouped_matmul: unknown impl {impl!r} (use 'xla' or 'pallas')")
+
+
+def block_rows(dtype, impl: str = "pallas") -> int:
+    """The row tile the layout must use for `impl` (the kernels' default tiling; any multiple of 16 for 'xla')."""
+    if impl == "pallas":
+        from pallas_kernels import grouped_matmul as k
+        return k.default_tiling(dtype).block_rows
+    return 16
+
+
+__all__ = ["TileLayout", "block_rows", "gather_rows", "grouped_matmul", "grouped_matmul_reference", "padded_rows",
+           "tile_layout"]
