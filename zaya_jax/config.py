@@ -61,7 +61,8 @@ class ModelConfig:
     param_dtype: str = "float32"
     attention_impl: str = "xla"  # 'xla' | 'pallas' | 'cudnn'  (see zaya_jax/ops/attention.py)
     norm_impl: str = "xla"  # 'xla' | 'pallas'
-    moe_impl: str = "ragged"  # 'ragged' (sort + lax.ragged_dot) | 'dense' (reference: every expert on every token)
+    moe_impl: str = "ragged"  # 'ragged' (sort + lax.ragged_dot) | 'pallas' (tile-padded grouped GEMM kernels)
+    #                           | 'dense' (reference: every expert on every token)
     remat: str = "full"  # 'none' | 'full' | 'save_dots' | 'save_attention'  (activation checkpoint policy)
     scan_layers: bool = True
 
@@ -115,7 +116,7 @@ class ModelConfig:
         need(self.param_dtype in ("float32", "bfloat16"), f"param_dtype {self.param_dtype!r} not supported")
         need(self.attention_impl in ("xla", "pallas", "cudnn"), f"attention_impl {self.attention_impl!r} unknown")
         need(self.norm_impl in ("xla", "pallas"), f"norm_impl {self.norm_impl!r} unknown")
-        need(self.moe_impl in ("ragged", "dense"), f"moe_impl {self.moe_impl!r} unknown")
+        need(self.moe_impl in ("ragged", "pallas", "dense"), f"moe_impl {self.moe_impl!r} unknown")
         need(self.remat in ("none", "full", "save_dots", "save_attention"), f"remat {self.remat!r} unknown")
         if self.vocab_size % 64:
             warnings.warn(f"vocab_size {self.vocab_size} is not a multiple of 64; GEMMs over the vocabulary run "
