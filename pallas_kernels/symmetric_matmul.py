@@ -7,7 +7,9 @@ multiply-adds of that product. An optional epilogue adds a symmetric addend, so 
 
 Lowering: Pallas with the Triton backend (the one Pallas GPU path that runs on ROCm and NVIDIA): fp32
 accumulation, output in the input dtype (bf16 in, bf16 out), no atomics, no inline assembly. On the CPU the same
-kernel runs in interpret mode. Inputs are zero-padded to whole tiles (zero rows of X give zero rows and columns
+kernel runs in interpret mode. Under jit with sharded inputs the kernel is a custom partitioned op: every device
+runs it on its own matrices when only batch dims are sharded (a sharded matrix dim is gathered first: each matrix
+must be whole on one device). Inputs are zero-padded to whole tiles (zero rows of X give zero rows and columns
 of X Xᵀ, so the top-left block is exact) and the result is cut back; ZAYA1's Muon shapes need no padding, and
 then nothing is copied.
 
@@ -25,7 +27,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.custom_partitioning import custom_partitioning
 from jax.experimental.pallas import triton as plgpu
+from jax.sharding import NamedSharding, PartitionSpec
 
 from pallas_kernels import _platform
 
@@ -155,6 +159,15 @@ def symmetric_gram(x, addend=None, *, alpha: float = 1.0, beta: float = 1.0, dia
         raise ValueError(f"addend must have shape {x.shape[:-1] + (x.shape[-2],)}, got {addend.shape}")
     tiling = tiling or default_tiling(x.dtype)
     interpret = _platform.interpret() if interpret is None else interpret
+    config = (float(alpha), float(beta), float(diag), tiling, bool(interpret))
+    if addend is None:
+        return _gram_partitioned(x, config)
+    return _gram_addend_partitioned(x, addend, config)
+
+
+def _gram_local(x, addend, config):
+    """The kernel on the matrices at hand (all of them, or one device's batch shard)."""
+    alpha, beta, diag, tiling, interpret = config
     *batch, m, k = x.shape
     # A tile larger than the matrix would only add padding; Triton's dot needs at least 16.
     tile_cols = min(tiling.cols, max(16, pl.next_power_of_2(m)))
@@ -189,6 +202,46 @@ def symmetric_gram(x, addend=None, *, alpha: float = 1.0, beta: float = 1.0, dia
     if mp != m:  # only a padded problem pays for the cut
         out = out[:, :m, :m]
     return out.reshape((*batch, m, m))
+
+
+def _batch_only(sharding, ndim: int):
+    """The sharding of the batch dims, the two matrix dims whole on every device."""
+    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+    return NamedSharding(sharding.mesh, PartitionSpec(*spec[:ndim - 2], None, None))
+
+
+def _partition(config, mesh, arg_shapes, result_shape):
+    del result_shape
+    x_sharding = _batch_only(arg_shapes[0].sharding, len(arg_shapes[0].shape))
+    arg_shardings = tuple(x_sharding for _ in arg_shapes)  # the addend has x's batch dims too
+
+    def lower(x, addend=None):
+        return _gram_local(x, addend, config)
+    return mesh, lower, x_sharding, arg_shardings
+
+
+def _infer(config, mesh, arg_shapes, result_shape):  # GSPMD (non-Shardy) propagation
+    del config, mesh, result_shape
+    return _batch_only(arg_shapes[0].sharding, len(arg_shapes[0].shape))
+
+
+@functools.partial(custom_partitioning, static_argnums=(1,))
+def _gram_partitioned(x, config):
+    return _gram_local(x, None, config)
+
+
+@functools.partial(custom_partitioning, static_argnums=(2,))
+def _gram_addend_partitioned(x, addend, config):
+    return _gram_local(x, addend, config)
+
+
+# Batch dims (...) pass through; the matrix dims must be whole on a device (need_replication, listed in the
+# order the factors first appear, as Shardy requires).
+_gram_partitioned.def_partition(_partition, infer_sharding_from_operands=_infer,
+                                sharding_rule="... i k -> ... i j", need_replication_factors=("i", "k", "j"))
+_gram_addend_partitioned.def_partition(_partition, infer_sharding_from_operands=_infer,
+                                       sharding_rule="... i k, ... i j -> ... i j",
+                                       need_replication_factors=("i", "k", "j"))
 
 
 def symmetric_square(a, **kw):

@@ -1,10 +1,13 @@
 """The symmetric Gram kernel: equals X Xᵀ (interpret mode on the CPU; compiled on a GPU), only upper-triangle
 tiles are launched, the output is exactly symmetric, and Newton-Schulz / Muon give the same result through it."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from pallas_kernels.symmetric_matmul import (GramTiling, default_tiling, num_upper_tiles, symmetric_gram,
                                              symmetric_square, upper_tile_coords)
@@ -185,6 +188,26 @@ def test_muon_with_the_kernel_equals_muon_with_xla():
         tx = muon(0.1, weight_decay=0.1, ns_dtype="float32", gram_impl=impl)
         updates[impl], _ = tx.update(grads, tx.init(params), params)
     np.testing.assert_allclose(updates["pallas"]["w"], updates["xla"]["w"], rtol=1e-4, atol=1e-6)
+
+
+def test_sharded_stack_runs_per_device_without_gathering():
+    """Stacked matrices sharded over a batch dim under jit: each device runs the kernel on its own matrices (no
+    collective in the compiled program) and the result keeps the sharding; a sharded matrix dim is gathered
+    (each matrix must be whole on one device) and still gives X Xᵀ."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    x, seed = fresh((4, 2, 48, 40))
+    want = gram_float64(x)
+    step = jax.jit(lambda x: symmetric_gram(x, tiling=SMALL, interpret=True))
+    fused = jax.jit(lambda x: symmetric_gram(x, x @ jnp.swapaxes(x, -1, -2), beta=0.0, tiling=SMALL, interpret=True))
+    batch_sharded = jax.device_put(x, NamedSharding(mesh, P("data", "model")))
+    for fn in (step, fused):
+        hlo = fn.lower(batch_sharded).compile().as_text()
+        assert not re.search(r"all-gather|all-reduce|all-to-all|collective-permute", hlo)
+        got = fn(batch_sharded)
+        assert got.sharding.is_equivalent_to(batch_sharded.sharding, 4)
+        assert rel(got, want) <= 1e-6, f"seed {seed}"
+    rows_sharded = jax.device_put(x, NamedSharding(mesh, P(None, None, "data")))
+    assert rel(step(rows_sharded), want) <= 1e-6, f"seed {seed}"
 
 
 # ---- compiled Triton kernel (run with ZAYA_TEST_GPU=1 -m gpu on a GPU) ----------------------------------------
