@@ -6,8 +6,13 @@ block_until_ready) / calls. Each call works on a stack of `batch` matrices (Muon
 per layer, 40 layers), so one call lasts far longer than a dispatch. Inputs are fresh random bf16 arrays.
 
 FLOPs are counted as XLA does the work: X Xᵀ for X [m, k] is 2·m²·k, A·A is 2·m³, B·X is 2·m²·k; one NS step
-is their sum. The kernel does about (T+1)/(2T) of the first two (T = tiles per side), so its "effective" TFLOP/s
-(full count / time) can exceed what it actually executes.
+is their sum. The kernel does about (T+1)/(2T) of the first two (T = column blocks per side), so its "effective"
+TFLOP/s (full count / time) can exceed what it actually executes.
+
+The NS step is timed in three forms: 'step_xla' (the iteration as the code runs it in XLA: X' = (aI + bA + cA·A) X),
+'step_xla_unfolded' (a X + (bA + cA·A) X, the form of the earlier code and of most Muon implementations) and
+'step_pallas' (the kernel for A and for aI + bA + cA·A, then the same XLA GEMM). step_speedup is like for like
+(step_xla / step_pallas); step_speedup_vs_unfolded compares with the earlier XLA form.
 """
 
 from __future__ import annotations
@@ -20,12 +25,16 @@ import numpy as np
 
 from pallas_kernels._bench import gemm_ceiling_tflops, time_call
 from pallas_kernels.symmetric_matmul import GramTiling, default_tiling, symmetric_gram
-from zaya_jax.ops.newton_schulz import QUINTIC_COEFFS, gram_reference, newton_schulz, newton_schulz_step
+from zaya_jax.ops.newton_schulz import (QUINTIC_COEFFS, apply_left, gram_reference, newton_schulz,
+                                        newton_schulz_step, newton_schulz_step_unfolded)
 
 BF16 = jnp.bfloat16
 
-TILINGS = [GramTiling(128, 64, 8, 3), GramTiling(128, 64, 4, 3), GramTiling(128, 32, 4, 4),
-           GramTiling(64, 64, 4, 3), GramTiling(128, 128, 8, 2)]
+# Focused launch set (H200 sweep of benchmarks/muon_h200.json: 128-row tiles with 4 warps led; 64 lost 25%):
+# square 128 tiles with short / long k steps, and wide 128 x 256 tiles (more MMA work per byte of shared memory,
+# 8 warps hold the 128x256 fp32 accumulator), plus 64-row tiles for the small 1024 side (more programs per wave).
+TILINGS = [GramTiling(128, 32, 4, 4), GramTiling(128, 64, 4, 3), GramTiling(128, 64, 8, 3, tile_cols=256),
+           GramTiling(128, 32, 8, 4, tile_cols=256), GramTiling(64, 64, 4, 3, tile_cols=128)]
 
 
 def stacked_input(batch: int, rows: int, cols: int, seed: int = 0):
@@ -46,12 +55,13 @@ def ns_step_flops(x) -> float:
 
 
 def ns_step_unfused(x, tiling):
-    """The NS step with the kernel for both products but b·A + c·A·A left to XLA (to measure the epilogue)."""
+    """The NS step with the kernel for both products but aI + bA + cA·A left to XLA (to measure the epilogue)."""
     a, b, c = QUINTIC_COEFFS
     f32 = jnp.float32
     A = symmetric_gram(x, tiling=tiling)
-    B = (b * A.astype(f32) + c * symmetric_gram(A, tiling=tiling).astype(f32)).astype(x.dtype)
-    return (a * x.astype(f32) + jnp.einsum("...ij,...jn->...in", B, x, preferred_element_type=f32)).astype(x.dtype)
+    B = (a * jnp.eye(A.shape[-1], dtype=f32) + b * A.astype(f32)
+         + c * symmetric_gram(A, tiling=tiling).astype(f32)).astype(x.dtype)
+    return apply_left(B, x)
 
 
 def rel_err(a, b) -> float:
@@ -59,33 +69,47 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def sweep_tilings(x, tilings=TILINGS):
-    """Times the Gram kernel per tiling on x; returns rows sorted fastest first (failures reported, not raised)."""
-    ref = gram_reference(x.astype(jnp.float32))
+def _attempt(fn, *args, **timing):
+    """(seconds, None) or (nan, 'error text'): a tiling that does not compile (shared memory, registers) or a
+    variant that fails is reported, not raised, so one failure cannot hide the other measurements."""
+    try:
+        return time_call(fn, *args, **timing), None
+    except Exception as e:  # noqa: BLE001 - Triton/XLA compile errors come in many types
+        return float("nan"), f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def sweep_step(x, tilings=TILINGS, **timing):
+    """Times the Pallas NS step per tiling on x; rows sorted fastest first (failures last, with their error)."""
+    want = jax.jit(newton_schulz_step)(x)
     rows = []
     for tiling in tilings:
-        fn = jax.jit(lambda x, t=tiling: symmetric_gram(x, tiling=t))
-        try:
-            err = rel_err(fn(x), ref)
-            seconds = time_call(fn, x)
-        except Exception as e:  # a tiling that does not compile (shared memory, registers) is skipped
-            rows.append(dict(tiling=dataclasses.asdict(tiling), error=f"{type(e).__name__}: {str(e)[:200]}"))
-            continue
-        rows.append(dict(tiling=dataclasses.asdict(tiling), us=seconds * 1e6, rel_err=err,
-                         eff_tflops=gram_flops(x) / seconds / 1e12))
-    return sorted(rows, key=lambda r: r.get("us", float("inf")))
+        fn = jax.jit(lambda x, t=tiling: newton_schulz_step(x, gram_impl="pallas", tiling=t))
+        row = dict(tiling=dataclasses.asdict(tiling))
+        seconds, error = _attempt(fn, x, **timing)
+        if error:
+            row["error"] = error
+        else:
+            row.update(step_us=seconds * 1e6, step_rel_err_vs_xla=rel_err(fn(x), want),
+                       step_eff_tflops=ns_step_flops(x) / seconds / 1e12)
+        rows.append(row)
+    return sorted(rows, key=lambda r: r.get("step_us", float("inf")))
 
 
-def bench_shape(rows: int, cols: int, batch: int, tiling: GramTiling, rounds: int = 2):
-    """Gram, one NS step and the full 5-step NS for a stack of [rows, cols] matrices, XLA vs Pallas; one dict per
-    round (the same compiled functions timed again, to show the spread)."""
-    x = stacked_input(batch, rows, cols)
+def best_tiling(sweep, fallback: GramTiling) -> GramTiling:
+    best = next((r for r in sweep if "step_us" in r), None)
+    return GramTiling(**best["tiling"]) if best else fallback
+
+
+def bench_shape(x, tiling: GramTiling, rounds: int = 2, **timing):
+    """Gram, one NS step and the full 5-step NS for the stack x [batch, m, k], XLA vs Pallas; one dict per round
+    (the same compiled functions timed again, to show the spread)."""
     full_grid = dataclasses.replace(tiling, upper_only=False)
     fns = {
         "gram_xla": jax.jit(gram_reference),
         "gram_pallas": jax.jit(lambda x: symmetric_gram(x, tiling=tiling)),
         "gram_pallas_all_tiles": jax.jit(lambda x: symmetric_gram(x, tiling=full_grid)),
-        "step_xla": jax.jit(lambda x: newton_schulz_step(x)),
+        "step_xla": jax.jit(newton_schulz_step),
+        "step_xla_unfolded": jax.jit(newton_schulz_step_unfolded),
         "step_pallas": jax.jit(lambda x: newton_schulz_step(x, gram_impl="pallas", tiling=tiling)),
         "step_pallas_unfused": jax.jit(lambda x: ns_step_unfused(x, tiling)),
         "ns5_xla": jax.jit(lambda x: newton_schulz(x)),
@@ -94,18 +118,17 @@ def bench_shape(rows: int, cols: int, batch: int, tiling: GramTiling, rounds: in
     try:
         errors = dict(gram_rel_err=rel_err(fns["gram_pallas"](x), gram_reference(x.astype(jnp.float32))),
                       ns5_rel_err_vs_xla=rel_err(fns["ns5_pallas"](x), fns["ns5_xla"](x)))
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001
         errors = dict(gram_rel_err=float("nan"), ns5_rel_err_vs_xla=float("nan"),
                       check_error=f"{type(e).__name__}: {str(e)[:300]}")
     results = []
     for r in range(rounds):
-        out = dict(shape=[rows, cols], batch=batch, iterated=list(x.shape[1:]), round=r, **errors)
+        out = dict(batch=x.shape[0], iterated=list(x.shape[1:]), round=r, **errors)
         for name, fn in fns.items():
-            try:
-                out[f"{name}_us"] = time_call(fn, x) * 1e6
-            except Exception as e:  # report and go on: one failing variant must not hide the others
-                out[f"{name}_us"] = float("nan")
-                out[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            seconds, error = _attempt(fn, x, **timing)
+            out[f"{name}_us"] = seconds * 1e6
+            if error:
+                out[f"{name}_error"] = error
         out["gram_xla_tflops"] = gram_flops(x) / out["gram_xla_us"] / 1e6
         out["gram_pallas_eff_tflops"] = gram_flops(x) / out["gram_pallas_us"] / 1e6
         out["gram_all_tiles_tflops"] = gram_flops(x) / out["gram_pallas_all_tiles_us"] / 1e6
@@ -113,8 +136,18 @@ def bench_shape(rows: int, cols: int, batch: int, tiling: GramTiling, rounds: in
         out["step_pallas_eff_tflops"] = ns_step_flops(x) / out["step_pallas_us"] / 1e6
         for what in ("gram", "step", "ns5"):
             out[f"{what}_speedup"] = out[f"{what}_xla_us"] / out[f"{what}_pallas_us"]
+        out["step_speedup_vs_unfolded"] = out["step_xla_unfolded_us"] / out["step_pallas_us"]
+        out["step_xla_fold_gain"] = out["step_xla_unfolded_us"] / out["step_xla_us"]
         results.append(out)
     return results
 
 
-__all__ = ["TILINGS", "default_tiling", "gemm_ceiling_tflops", "sweep_tilings", "bench_shape", "stacked_input"]
+__all__ = [
+    "TILINGS",
+    "bench_shape",
+    "best_tiling",
+    "default_tiling",
+    "gemm_ceiling_tflops",
+    "stacked_input",
+    "sweep_step",
+]

@@ -252,5 +252,11 @@ def symmetric_square(a, **kw):
     return symmetric_gram(a, **kw)
 
 
-__all__ = ["GramTiling", "default_tiling", "num_upper_tiles", "upper_tile_coords", "symmetric_gram",
-           "symmetric_square"]
+__all__ = [
+    "GramTiling",
+    "default_tiling",
+    "num_upper_tiles",
+    "symmetric_gram",
+    "symmetric_square",
+    "upper_tile_coords",
+]

@@ -109,5 +109,15 @@ def newton_schulz(x, *, steps: int = 5, coeffs=QUINTIC_COEFFS, dtype=jnp.bfloat1
     return jnp.swapaxes(x, -1, -2) if transpose else x
 
 
-__all__ = ["QUINTIC_COEFFS", "GRAM_IMPLS", "apply_left", "gram", "gram_reference", "quintic_combination",
-           "quintic_matrix", "newton_schulz", "newton_schulz_step", "newton_schulz_step_unfolded"]
+__all__ = [
+    "GRAM_IMPLS",
+    "QUINTIC_COEFFS",
+    "apply_left",
+    "gram",
+    "gram_reference",
+    "newton_schulz",
+    "newton_schulz_step",
+    "newton_schulz_step_unfolded",
+    "quintic_combination",
+    "quintic_matrix",
+]
