@@ -52,7 +52,7 @@ def copy_ceiling_tbps(n_bytes: int = 2 ** 30) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------- norms
-def _norm_problem(rows: int, d: int):
+def norm_problem(rows: int, d: int):
     k = jax.random.split(jax.random.key(2), 10)
     vecs = [1.0 + 0.1 * jax.random.normal(k[i], (d,)) for i in range(6)]
     return dict(branch=_normal(k[6], (rows, d), BF16), residual=_normal(k[7], (rows, d), F32, 4.0),
@@ -91,7 +91,7 @@ def _norm_fns(kind: str, impl: str):
 def bench_norms(shapes, copy_tbps: float):
     rows_out = []
     for rows, d in shapes:
-        p = _norm_problem(rows, d)
+        p = norm_problem(rows, d)
         for kind in ("merge_rms_norm", "rms_norm", "layer_norm"):
             entry = dict(kind=kind, rows=rows, d=d)
             for impl in ("pallas", "xla"):
@@ -112,25 +112,38 @@ def bench_norms(shapes, copy_tbps: float):
     return rows_out
 
 
+NORM_PASS_BYTES = {"fwd": 12, "bwd": 18}  # per element of the fused merge: see _norm_fns
+
+
+def time_norm_pass(p, phase: str, launch: NormLaunch) -> float:
+    """Seconds per call of the fused merge's forward or backward kernel alone under `launch`."""
+    if phase == "fwd":
+        fn = jax.jit(lambda p: norm_kern.merge_forward(p["branch"], p["residual"], *p["vecs"][:5], eps=EPS,
+                                                       out_dtype=BF16, launch=launch))
+        return time_call(fn, p)
+    if "rstd" not in p:
+        p["rstd"] = norm_kern.merge_forward(p["branch"], p["residual"], *p["vecs"][:5], eps=EPS, out_dtype=BF16)[2]
+    fn = jax.jit(lambda p: norm_kern.merge_backward(p["branch"], p["residual"], p["dh"], p["dy"], p["rstd"],
+                                                    *p["vecs"][:5], launch=launch))
+    return time_call(fn, p)
+
+
+def time_merge_fwd_bwd(p, impl: str) -> float:
+    """Seconds per call of the fused merge's forward + backward (jax.vjp), 'pallas' (current tables) or 'xla'."""
+    return time_call(_norm_fns("merge_rms_norm", impl)[1], p)
+
+
 def sweep_norm_launch(rows: int, d: int, fwd_launches, bwd_launches):
     """Times the fused merge kernels alone under each launch; returns the timings and the fastest of each."""
-    p = _norm_problem(rows, d)
-    _, _, rstd = norm_kern.merge_forward(p["branch"], p["residual"], *p["vecs"][:5], eps=EPS, out_dtype=BF16)
-    fwd_t, bwd_t = {}, {}
-    for launch in fwd_launches:
-        fn = jax.jit(lambda p, L=launch: norm_kern.merge_forward(p["branch"], p["residual"], *p["vecs"][:5],
-                                                                 eps=EPS, out_dtype=BF16, launch=L))
-        fwd_t[launch] = time_call(fn, p)
-    for launch in bwd_launches:
-        fn = jax.jit(lambda p, rstd, L=launch: norm_kern.merge_backward(
-            p["branch"], p["residual"], p["dh"], p["dy"], rstd, *p["vecs"][:5], launch=L))
-        bwd_t[launch] = time_call(fn, p, rstd)
-    fwd_bytes, bwd_bytes = rows * d * 12, rows * d * 18
+    p = norm_problem(rows, d)
+    timings = {phase: {L: time_norm_pass(p, phase, L) for L in launches}
+               for phase, launches in (("fwd", fwd_launches), ("bwd", bwd_launches))}
 
-    def table(timings, nbytes):
-        return [dict(dataclasses.asdict(L), ms=t * 1e3, tbps=nbytes / t / 1e12) for L, t in timings.items()]
-    return (dict(fwd=table(fwd_t, fwd_bytes), bwd=table(bwd_t, bwd_bytes)), min(fwd_t, key=fwd_t.get),
-            min(bwd_t, key=bwd_t.get))
+    def table(phase):
+        nbytes = rows * d * NORM_PASS_BYTES[phase]
+        return [dict(dataclasses.asdict(L), ms=t * 1e3, tbps=nbytes / t / 1e12) for L, t in timings[phase].items()]
+    return (dict(fwd=table("fwd"), bwd=table("bwd")), min(timings["fwd"], key=timings["fwd"].get),
+            min(timings["bwd"], key=timings["bwd"].get))
 
 
 # ------------------------------------------------------------------------------------------------ attention
@@ -192,45 +205,73 @@ def bench_attention(shapes, impls_for, blocks: AttentionBlocks):
     return out
 
 
-def sweep_attention_blocks(B, T, H, KV, d, fwd_cfgs, dq_cfgs, dkv_cfgs, base: AttentionBlocks):
-    """Times each attention kernel alone under each tile config; returns the timings and the fastest blocks."""
+@dataclasses.dataclass
+class AttentionPassProblem:
+    """Inputs of the three attention kernels at one shape: q, k, v, do and the forward's lse2 / delta."""
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    do: jax.Array
+    pos: jax.Array
+    np_pos: np.ndarray
+    lse2: jax.Array
+    delta: jax.Array
+
+    @property
+    def flops_fwd(self) -> float:
+        B, T, H, d = self.q.shape
+        return attention_flops(B, T, H, d, False)
+
+
+def attention_pass_problem(B, T, H, KV, d, base: AttentionBlocks) -> AttentionPassProblem:
     q, k, v, do = _attention_problem(B, T, H, KV, d)
-    scale = d ** -0.5
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     np_pos = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
-
-    def ranges(bq, bk, per_kv):
-        return blocks_lib.ranges(np_pos, np_pos, None, None, None, bq, bk, per_kv_block=per_kv, static=True)
-
-    o, lse2 = attn_kern.forward(q, k, v, pos, pos, None, None, None, ranges(base.fwd_q, base.fwd_k, False),
-                                scale=scale, blocks=base)
+    rg = blocks_lib.ranges(np_pos, np_pos, None, None, None, base.fwd_q, base.fwd_k, per_kv_block=False, static=True)
+    o, lse2 = attn_kern.forward(q, k, v, pos, pos, None, None, None, rg, scale=d ** -0.5, blocks=base)
     delta = jnp.einsum("bthd,bthd->bht", o.astype(F32), do.astype(F32))
+    return AttentionPassProblem(q, k, v, do, pos, np_pos, lse2, delta)
+
+
+# matmuls per tile relative to the forward's 2 (qk, pv): dq 3 (qk, dp, dq), dk/dv 4 (qk, dv, dp, dk)
+PASS_FLOPS = {"fwd": 1.0, "dq": 1.5, "dkv": 2.0}
+
+
+def time_attention_pass(prob: AttentionPassProblem, phase: str, blocks: AttentionBlocks, *, reps=5,
+                        calls=3) -> float:
+    """Seconds per call of one attention kernel ('fwd', 'dq' or 'dkv') alone under `blocks`."""
+    bq, bk = getattr(blocks, f"{phase}_q"), getattr(blocks, f"{phase}_k")
+    rg = blocks_lib.ranges(prob.np_pos, prob.np_pos, None, None, None, bq, bk, per_kv_block=phase == "dkv",
+                           static=True)
+    scale = prob.q.shape[-1] ** -0.5
+    pos = prob.pos
+    if phase == "fwd":
+        fn = jax.jit(lambda q, k, v, rg: attn_kern.forward(q, k, v, pos, pos, None, None, None, rg, scale=scale,
+                                                           blocks=blocks))
+        args = (prob.q, prob.k, prob.v, rg)
+    else:
+        kern_fn = {"dq": attn_kern.backward_dq, "dkv": attn_kern.backward_dkv}[phase]
+        fn = jax.jit(lambda q, k, v, do, lse2, delta, rg: kern_fn(
+            q, k, v, do, lse2, delta, pos, pos, None, None, None, rg, scale=scale, blocks=blocks))
+        args = (prob.q, prob.k, prob.v, prob.do, prob.lse2, prob.delta, rg)
+    return time_call(fn, *args, reps=reps, calls=calls)
+
+
+def sweep_attention_blocks(B, T, H, KV, d, fwd_cfgs, dq_cfgs, dkv_cfgs, base: AttentionBlocks):
+    """Times each attention kernel alone under each tile config; returns the timings and the fastest blocks."""
+    prob = attention_pass_problem(B, T, H, KV, d, base)
     results = {"fwd": [], "dq": [], "dkv": []}
     best = {}
     for phase, cfgs in (("fwd", fwd_cfgs), ("dq", dq_cfgs), ("dkv", dkv_cfgs)):
         timings = {}
         for cfg in cfgs:
-            blocks = dataclasses.replace(base, **cfg)
-            bq, bk = getattr(blocks, f"{phase}_q"), getattr(blocks, f"{phase}_k")
-            rg = ranges(bq, bk, phase == "dkv")
-            if phase == "fwd":
-                fn = jax.jit(lambda q, k, v, rg, b=blocks: attn_kern.forward(
-                    q, k, v, pos, pos, None, None, None, rg, scale=scale, blocks=b))
-                args = (q, k, v, rg)
-            else:
-                kern_fn = attn_kern.backward_dq if phase == "dq" else attn_kern.backward_dkv
-                fn = jax.jit(lambda q, k, v, do, lse2, delta, rg, b=blocks, f=kern_fn: f(
-                    q, k, v, do, lse2, delta, pos, pos, None, None, None, rg, scale=scale, blocks=b))
-                args = (q, k, v, do, lse2, delta, rg)
             try:
-                t = time_call(fn, *args, calls=5)
+                t = time_attention_pass(prob, phase, dataclasses.replace(base, **cfg), reps=7, calls=5)
             except Exception as e:
                 results[phase].append(dict(cfg, error=f"{type(e).__name__}: {str(e)[:160]}"))
                 continue
             timings[tuple(sorted(cfg.items()))] = t
-            # matmuls per tile: fwd 2 (qk, pv), dq 3 (qk, dp, dq), dkv 4 (qk, dv, dp, dk)
-            flops = attention_flops(B, T, H, d, False) * {"fwd": 1.0, "dq": 1.5, "dkv": 2.0}[phase]
-            results[phase].append(dict(cfg, ms=t * 1e3, tflops=flops / t / 1e12))
+            results[phase].append(dict(cfg, ms=t * 1e3, tflops=prob.flops_fwd * PASS_FLOPS[phase] / t / 1e12))
             print(f"  sweep {phase:3s} {cfg}: {t * 1e3:.3f} ms", flush=True)
         if timings:
             best.update(dict(min(timings, key=timings.get)))
@@ -243,6 +284,8 @@ def device_summary() -> dict:
                 jax_version=jax.__version__, core_count=getattr(dev, "core_count", None))
 
 
-__all__ = ["AttentionBlocks", "NormLaunch", "attention_flops", "bench_attention", "bench_norms",
+__all__ = ["PASS_FLOPS", "AttentionBlocks", "AttentionPassProblem", "NormLaunch", "attention_flops",
+           "attention_pass_problem", "bench_attention", "bench_norms", "norm_problem", "time_attention_pass",
+           "time_merge_fwd_bwd", "time_norm_pass",
            "copy_ceiling_tbps", "device_summary", "gemm_ceiling_tflops", "sweep_attention_blocks",
            "sweep_norm_launch", "time_call"]

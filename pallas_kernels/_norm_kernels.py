@@ -96,18 +96,20 @@ def _rms_fwd_kernel(x_ref, w_ref, y_ref, rstd_ref, *, d, eps, n_rows, rows, n_it
     _row_loop(n_iters, rows, n_rows, d, block_d, load, body, ())
 
 
-def _merge_fwd_kernel(b_ref, r_ref, hs_ref, hb_ref, rs_ref, rb_ref, w_ref, h_ref, y_ref, rstd_ref, *, d, eps,
-                      n_rows, rows, n_iters):
+def _merge_fwd_kernel(b_ref, r_ref, hs_ref, rs_ref, c_ref, w_ref, h_ref, y_ref, rstd_ref, *, d, eps, n_rows, rows,
+                      n_iters):
+    """h = branch * hs + residual * rs + c with the biases folded into c = hb * hs + rb * rs (one [D] vector fewer
+    held in registers). Padded columns load zeros for every vector, so h is 0 there and the statistics are exact;
+    padded rows are never stored."""
     block_d = b_ref.shape[-1]
-    hs, hb, rs, rb, w = (_load_vec(ref, d) for ref in (hs_ref, hb_ref, rs_ref, rb_ref, w_ref))
+    hs, rs, c, w = (_load_vec(ref, d) for ref in (hs_ref, rs_ref, c_ref, w_ref))
 
     def load(start, row_ok, mask):
         return _load_tile(b_ref, start, rows, mask), _load_tile(r_ref, start, rows, mask)
 
     def body(start, row_ok, mask, tiles, accs):
         branch, resid = (t.astype(F32) for t in tiles)
-        h = (branch + hb) * hs + (resid + rb) * rs
-        h = jnp.where(mask, h, 0.0)  # padded rows/columns would otherwise carry the biases into the statistics
+        h = branch * hs + resid * rs + c
         rstd = jax.lax.rsqrt(_sum_rows(h * h) / d + eps)
         _store_tile(h_ref, start, rows, h, mask)
         _store_tile(y_ref, start, rows, w * (h * rstd), mask)
@@ -164,10 +166,12 @@ def _rms_bwd_kernel(x_ref, dy_ref, rstd_ref, w_ref, dx_ref, dw_ref, *, d, n_rows
     _store_partials([dw_ref], accs, d)
 
 
-def _merge_bwd_kernel(b_ref, r_ref, dh_ref, dy_ref, rstd_ref, hs_ref, hb_ref, rs_ref, rb_ref, w_ref,
-                      db_ref, dr_ref, p_hs_ref, p_rs_ref, p_g_ref, p_w_ref, *, d, n_rows, rows, n_iters):
+def _merge_bwd_kernel(b_ref, r_ref, dh_ref, dy_ref, rstd_ref, hs_ref, rs_ref, c_ref, w_ref,
+                      db_ref, dr_ref, p_b_ref, p_r_ref, p_g_ref, p_w_ref, *, d, n_rows, rows, n_iters):
+    """Partial column sums of g * branch, g * residual, g and dy * n (the wrapper adds the bias terms: no select
+    per element). Padded rows load rstd = 0 and zero tiles, so their g and n are 0."""
     block_d = b_ref.shape[-1]
-    hs, hb, rs, rb, w = (_load_vec(ref, d) for ref in (hs_ref, hb_ref, rs_ref, rb_ref, w_ref))
+    hs, rs, c, w = (_load_vec(ref, d) for ref in (hs_ref, rs_ref, c_ref, w_ref))
 
     def load(start, row_ok, mask):
         return (_load_tile(b_ref, start, rows, mask), _load_tile(r_ref, start, rows, mask),
@@ -176,21 +180,20 @@ def _merge_bwd_kernel(b_ref, r_ref, dh_ref, dy_ref, rstd_ref, hs_ref, hb_ref, rs
 
     def body(start, row_ok, mask, tiles, accs):
         branch, resid, dh, dy, rstd = tiles
-        acc_hs, acc_rs, acc_g, acc_w = accs
-        branch = jnp.where(mask, branch.astype(F32) + hb, 0.0)
-        resid = jnp.where(mask, resid.astype(F32) + rb, 0.0)
-        n = (branch * hs + resid * rs) * rstd
+        acc_b, acc_r, acc_g, acc_w = accs
+        branch, resid = branch.astype(F32), resid.astype(F32)
+        n = (branch * hs + resid * rs + c) * rstd
         dy = dy.astype(F32)
         dn = dy * w
         g = dh.astype(F32) + rstd * (dn - n * (_sum_rows(dn * n) / d))  # total gradient of the merged residual
         _store_tile(db_ref, start, rows, g * hs, mask)
         _store_tile(dr_ref, start, rows, g * rs, mask)
-        return (acc_hs + jnp.sum(g * branch, axis=0), acc_rs + jnp.sum(g * resid, axis=0),
+        return (acc_b + jnp.sum(g * branch, axis=0), acc_r + jnp.sum(g * resid, axis=0),
                 acc_g + jnp.sum(g, axis=0), acc_w + jnp.sum(dy * n, axis=0))
 
     zeros = jnp.zeros((block_d,), F32)
     accs = _row_loop(n_iters, rows, n_rows, d, block_d, load, body, (zeros,) * 4)
-    _store_partials([p_hs_ref, p_rs_ref, p_g_ref, p_w_ref], accs, d)
+    _store_partials([p_b_ref, p_r_ref, p_g_ref, p_w_ref], accs, d)
 
 
 def _layer_bwd_kernel(x_ref, dy_ref, mean_ref, rstd_ref, w_ref, dx_ref, dw_ref, dbias_ref, *, d, n_rows, rows,
@@ -251,6 +254,11 @@ def _launch(launch, d, phase):
     return launch or _platform.norm_launch(_platform.next_pow2(d), phase)
 
 
+def merged_bias(hs, hb, rs, rb):
+    """The two biases of the residual merge as one [D] vector: (b + hb) hs + (r + rb) rs = b hs + r rs + this."""
+    return hb.astype(F32) * hs.astype(F32) + rb.astype(F32) * rs.astype(F32)
+
+
 def rms_forward(x, w, *, eps, out_dtype, launch=None, programs=None):
     """x [N, D] -> (y [N, D] out_dtype, rstd [N] fp32)."""
     d = x.shape[1]
@@ -263,8 +271,8 @@ def merge_forward(branch, residual, hs, hb, rs, rb, w, *, eps, out_dtype, launch
     """-> (h [N, D] fp32, y [N, D] out_dtype, rstd [N] fp32)."""
     d = branch.shape[1]
     return _rows_call(_merge_fwd_kernel, "merge_rms_norm_fwd", rows_in=[branch, residual], stats_in=[],
-                      vecs_in=[hs, hb, rs, rb, w], rows_out=[F32, out_dtype], n_stats_out=1, n_partials=0, d=d,
-                      launch=_launch(launch, d, "fwd"), programs=programs, eps=eps)
+                      vecs_in=[hs, rs, merged_bias(hs, hb, rs, rb), w], rows_out=[F32, out_dtype], n_stats_out=1,
+                      n_partials=0, d=d, launch=_launch(launch, d, "fwd"), programs=programs, eps=eps)
 
 
 def layer_forward(x, w, b, *, eps, out_dtype, launch=None, programs=None):
@@ -286,9 +294,12 @@ def rms_backward(x, dy, rstd, w, *, launch=None, programs=None):
 def merge_backward(branch, residual, dh, dy, rstd, hs, hb, rs, rb, w, *, launch=None, programs=None):
     """-> (d_branch, d_residual, sum(g * (branch + hb)), sum(g * (residual + rb)), sum(g), sum(dy * n))."""
     d = branch.shape[1]
-    return _rows_call(_merge_bwd_kernel, "merge_rms_norm_bwd", rows_in=[branch, residual, dh, dy], stats_in=[rstd],
-                      vecs_in=[hs, hb, rs, rb, w], rows_out=[branch.dtype, residual.dtype], n_stats_out=0,
-                      n_partials=4, d=d, launch=_launch(launch, d, "bwd"), programs=programs)
+    d_branch, d_resid, g_branch, g_resid, g_sum, g_w = _rows_call(
+        _merge_bwd_kernel, "merge_rms_norm_bwd", rows_in=[branch, residual, dh, dy], stats_in=[rstd],
+        vecs_in=[hs, rs, merged_bias(hs, hb, rs, rb), w], rows_out=[branch.dtype, residual.dtype], n_stats_out=0,
+        n_partials=4, d=d, launch=_launch(launch, d, "bwd"), programs=programs)
+    # sum(g * (branch + hb)) = sum(g * branch) + hb * sum(g), likewise for the residual
+    return (d_branch, d_resid, g_branch + hb.astype(F32) * g_sum, g_resid + rb.astype(F32) * g_sum, g_sum, g_w)
 
 
 def layer_backward(x, dy, mean, rstd, w, *, launch=None, programs=None):

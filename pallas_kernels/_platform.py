@@ -8,6 +8,7 @@ number of threads per program, and Triton's software pipelining on ROCm is drive
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -98,18 +99,56 @@ class NormLaunch:
     num_stages: int = 1
 
 
-def norm_launch(block_d: int, phase: str = "fwd") -> NormLaunch:
-    """One row of up to 2048 columns per loop step, ~8 fp32 values of a row per lane.
+@dataclasses.dataclass(frozen=True)
+class NormTuning:
+    """Launch rule of one norm pass for any width: a loop step covers `step_elems` elements (whole rows, at most
+    4), each lane holds `lane_elems` of them (this sets num_warps), `programs_per_cu` programs per compute unit."""
+    step_elems: int = 2048
+    lane_elems: int = 8
+    programs_per_cu: int = 4
+    num_stages: int = 1
 
-    The [D] parameter vectors (and, in the backward, the [D] partial sums) stay in registers for the whole row
-    loop, so wide rows get more lanes rather than more registers per lane. On the H200 (D=2048, 16384 rows) the
-    fused merge measured 3.0 TB/s forward with 8 warps x 4-8 programs per SM (16 warps x 2 the same) and
-    2.7 TB/s backward with 8 warps x 4 programs (16 warps: 2.4-2.5).
-    """
-    rows = max(1, min(4, 2048 // block_d))
+    def launch(self, block_d: int) -> NormLaunch:
+        rows = max(1, min(4, self.step_elems // block_d))
+        lanes = 64 if vendor() == "rocm" else 32
+        warps = max(1, min(16 if lanes == 32 else 8, rows * block_d // (self.lane_elems * lanes)))
+        return NormLaunch(rows=rows, num_warps=_pow2_floor(warps), programs_per_cu=self.programs_per_cu,
+                          num_stages=self.num_stages)
+
+
+# The [D] parameter vectors (and, in the backward, the [D] partial sums) stay in registers for the whole row loop,
+# so wide rows get more lanes rather than more registers per lane. On the H200 (D=2048, 16384 rows) the fused merge
+# measured 3.0 TB/s forward with 8 warps x 4-8 programs per SM (16 warps x 2 the same) and 2.7 TB/s backward with
+# 8 warps x 4 programs (16 warps: 2.4-2.5). `python -m launch.tune_kernels` prints new rows for this table.
+_NORM = {
+    "cuda": {"fwd": NormTuning(2048, 8, 8, 1), "bwd": NormTuning(2048, 8, 4, 1)},
+    "rocm": {"fwd": NormTuning(2048, 8, 8, 1), "bwd": NormTuning(2048, 8, 4, 1)},
+    "cpu": {"fwd": NormTuning(2048, 8, 8, 1), "bwd": NormTuning(2048, 8, 4, 1)},
+}
+
+
+@contextlib.contextmanager
+def norm_tuning_override(fwd: NormTuning, bwd: NormTuning):
+    """Kernels traced inside use these rules for this backend (the tuner times candidate rows end to end)."""
+    saved = _NORM[vendor()]
+    _NORM[vendor()] = {"fwd": fwd, "bwd": bwd}
+    try:
+        yield
+    finally:
+        _NORM[vendor()] = saved
+
+
+def norm_tuning_of(launch: NormLaunch, block_d: int) -> NormTuning:
+    """The table row that reproduces `launch` at width block_d (for printing tuned launches)."""
     lanes = 64 if vendor() == "rocm" else 32
-    warps = max(1, min(16 if lanes == 32 else 8, rows * block_d // (8 * lanes)))
-    return NormLaunch(rows=rows, num_warps=_pow2_floor(warps), programs_per_cu=8 if phase == "fwd" else 4)
+    return NormTuning(step_elems=launch.rows * block_d, lane_elems=launch.rows * block_d // (launch.num_warps * lanes),
+                      programs_per_cu=launch.programs_per_cu, num_stages=launch.num_stages)
+
+
+def norm_launch(block_d: int, phase: str = "fwd") -> NormLaunch:
+    if phase not in ("fwd", "bwd"):
+        raise ValueError(f"norm phase must be 'fwd' or 'bwd', got {phase!r}")
+    return _NORM[vendor()][phase].launch(block_d)
 
 
 def compute_units() -> int:

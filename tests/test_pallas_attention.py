@@ -188,8 +188,8 @@ def _upcast_reference(q, k, v, do, kw):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1024, 4096])
-def test_gpu_attention_at_zaya_shapes(T):
+def test_gpu_attention_at_zaya_shapes():
+    T = 4096  # the benchmark's shape; ragged lengths and masks are covered below
     q, k, v, do = _qkv(10, 2, T, T, 8, 2, 128, jnp.bfloat16)
     got = _fwd_bwd(pk.attention, q, k, v, do, {})
     for name, a, b in zip(("o", "dq", "dk", "dv"), got, _upcast_reference(q, k, v, do, {})):

@@ -106,10 +106,9 @@ def test_dispatch_through_ops():
 
 # ------------------------------------------------------------------------------------------- compiled (GPU)
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [8192, 16384 + 3])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_gpu_norms_at_zaya_shapes(rows, dtype):
-    d = 2048
+def test_gpu_norms_at_zaya_shapes(dtype):
+    rows, d = 16384 + 3, 2048  # the benchmark's shape plus a ragged tail of rows
     k, _, vecs = _inputs(5, 1, d, jnp.float32)
     branch = jax.random.normal(k[7], (rows, d)).astype(dtype)
     residual = 4.0 * jax.random.normal(k[8], (rows, d))
