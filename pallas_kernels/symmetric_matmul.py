@@ -191,7 +191,9 @@ def _gram_local(x, addend, config):
         in_specs.append(square)
     out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((xb.shape[0], mp, mp), x.dtype),
+        # Inside shard_map (ZeRO-1's Newton-Schulz placement) the output varies over the mesh axes x varies over.
+        out_shape=jax.ShapeDtypeStruct((xb.shape[0], mp, mp), x.dtype,
+                                       manual_axis_type=getattr(jax.typeof(xb), "mat", None)),
         grid=(programs, xb.shape[0]),
         in_specs=in_specs,
         out_specs=square,

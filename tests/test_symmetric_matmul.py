@@ -251,3 +251,16 @@ def test_compiled_newton_schulz_equals_xla_on_gpu():
     via_kernel = jax.jit(lambda x: newton_schulz(x, gram_impl="pallas"))(x)
     reference = jax.jit(lambda x: newton_schulz(x, dtype=jnp.float32))(x)
     assert rel(via_kernel, np.asarray(reference, np.float64)) <= 2e-2, f"seed {seed}"
+
+
+@pytest.mark.gpu
+def test_compiled_newton_schulz_inside_shard_map_on_gpu():
+    """ZeRO-1 runs Newton-Schulz inside shard_map (check_vma on): the kernel's output must carry the varying mesh
+    axes (interpret mode cannot run this: its evaluator rejects the kernel's unvarying loop indices)."""
+    mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(AxisType.Auto,))
+    x, seed = fresh((2 * jax.device_count(), 256, 512))
+    ns = jax.jit(jax.shard_map(lambda v: newton_schulz(v, gram_impl="pallas"), mesh=mesh, in_specs=P("data"),
+                               out_specs=P("data")))
+    got = ns(jax.device_put(x, NamedSharding(mesh, P("data"))))
+    want = jax.jit(lambda x: newton_schulz(x, dtype=jnp.float32))(x)
+    assert rel(got, np.asarray(want, np.float64)) <= 2e-2, f"seed {seed}"
