@@ -33,13 +33,24 @@ class Experts(nnx.Module):
     def __call__(self, x, index, weight):
         """x [N, D] (compute dtype), index [N] in [0, E] (E = skip), weight [N] fp32 -> [N, D]."""
         cfg = self.cfg
-        skip = index >= cfg.num_experts
-        index = jnp.where(skip, cfg.num_experts, index)
-        weight = jnp.where(skip, 0.0, weight).astype(x.dtype)
-        impl = {"ragged": _ragged, "pallas": _pallas, "dense": _dense}[cfg.moe_impl]
-        out = impl(x, index, self.gate_up_proj[...].astype(x.dtype), self.down_proj[...].astype(x.dtype),
-                   activation(cfg.hidden_act))
-        return jnp.where(skip[:, None], 0, out * weight[:, None])
+        return expert_block(x, index, weight, self.gate_up_proj[...].astype(x.dtype),
+                            self.down_proj[...].astype(x.dtype), activation(cfg.hidden_act), impl=cfg.moe_impl)
+
+
+def expert_block(x, index, weight, w_gu, w_down, act, *, impl: str, tiling=None):
+    """The experts' output for x [N, D], index [N] (>= E: skip, zero output), routing weight [N]; weights in the
+    compute dtype. `tiling` (moe_impl 'pallas' only) overrides the kernels' default GroupedTiling (benchmarks)."""
+    E = w_gu.shape[0]
+    skip = index >= E
+    index = jnp.where(skip, E, index)
+    weight = jnp.where(skip, 0.0, weight).astype(x.dtype)
+    if impl == "pallas":
+        out = _pallas(x, index, w_gu, w_down, act, tiling)
+    elif impl in ("ragged", "dense"):
+        out = (_ragged if impl == "ragged" else _dense)(x, index, w_gu, w_down, act)
+    else:
+        raise ValueError(f"moe_impl {impl!r} unknown (use 'ragged', 'pallas' or 'dense')")
+    return jnp.where(skip[:, None], 0, out * weight[:, None])
 
 
 def _swiglu(gu, act):
@@ -58,11 +69,11 @@ def _ragged(x, index, w_gu, w_down, act):
     return out[jnp.argsort(order)]
 
 
-def _pallas(x, index, w_gu, w_down, act):
-    layout = gmm.tile_layout(index, w_gu.shape[0], gmm.block_rows(x.dtype))
+def _pallas(x, index, w_gu, w_down, act, tiling):
+    layout = gmm.tile_layout(index, w_gu.shape[0], gmm.block_rows(x.dtype, tiling=tiling))
     xs = gmm.gather_rows(x, layout.src, layout.dst)  # padding rows are zeros
-    gu = gmm.grouped_matmul(xs, w_gu, layout.tile_group, impl="pallas")
-    out = gmm.grouped_matmul(_swiglu(gu, act), w_down, layout.tile_group, impl="pallas")
+    gu = gmm.grouped_matmul(xs, w_gu, layout.tile_group, impl="pallas", tiling=tiling)
+    out = gmm.grouped_matmul(_swiglu(gu, act), w_down, layout.tile_group, impl="pallas", tiling=tiling)
     return gmm.gather_rows(out, layout.dst, layout.src)  # skip tokens read zeros
 
 

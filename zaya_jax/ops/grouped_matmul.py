@@ -73,7 +73,7 @@ def _gather_fwd(x, rows, inverse_rows):
 
 
 def _gather_bwd(res, dy):
-    rows, inverse_rows = res
+    _, inverse_rows = res
     return jnp.take(dy, inverse_rows, axis=0, mode="fill", fill_value=0), None, None
 
 
@@ -91,21 +91,23 @@ def grouped_matmul_reference(x, w, tile_group):
     return y.reshape(x.shape[0], w.shape[1])
 
 
-def grouped_matmul(x, w, tile_group, *, impl: str = "xla"):
+def grouped_matmul(x, w, tile_group, *, impl: str = "xla", tiling=None):
+    """`tiling` (a pallas_kernels.grouped_matmul.GroupedTiling, 'pallas' only) overrides the default launch."""
     if impl == "xla":
         return grouped_matmul_reference(x, w, tile_group)
     if impl == "pallas":
         from pallas_kernels import grouped_matmul as k
-        return k.grouped_matmul(x, w, tile_group)
+        return k.grouped_matmul(x, w, tile_group, tiling=tiling)
     raise ValueError(f"grouped_matmul: unknown impl {impl!r} (use 'xla' or 'pallas')")
 
 
-def block_rows(dtype, impl: str = "pallas") -> int:
-    """The row tile the layout must use for `impl` (the kernels' default tiling; any multiple of 16 for 'xla')."""
-    if impl == "pallas":
-        from pallas_kernels import grouped_matmul as k
-        return k.default_tiling(dtype).block_rows
-    return 16
+def block_rows(dtype, *, tiling=None) -> int:
+    """The row tile to build the layout with for the 'pallas' kernels: `tiling`'s, else the platform default's.
+    (The reference takes any tile.)"""
+    if tiling is not None:
+        return tiling.block_rows
+    from pallas_kernels import grouped_matmul as k
+    return k.default_tiling(dtype).block_rows
 
 
 __all__ = ["TileLayout", "block_rows", "gather_rows", "grouped_matmul", "grouped_matmul_reference", "padded_rows",
