@@ -26,9 +26,9 @@ import jax.numpy as jnp
 
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated", category=DeprecationWarning)
 
-from pallas_kernels import _bench as bench  # noqa: E402
-from pallas_kernels import _platform  # noqa: E402
-from pallas_kernels._platform import AttentionBlocks, NormLaunch  # noqa: E402
+from pallas_kernels import _bench as bench
+from pallas_kernels import _platform
+from pallas_kernels._platform import AttentionBlocks, NormLaunch
 
 H, KV, D = 8, 2, 128
 NORM_ROWS, NORM_D = 16384, 2048  # the shape behind bench_kernels' rmsnorm_vs_copy_bandwidth ratio
@@ -89,10 +89,12 @@ class Clock:
         return self.elapsed() < STAGE_END[stage] * self.budget
 
 
-def _try(fn):
+def _try(fn, *args, **kwargs):
+    """(fn(*args, **kwargs), None), or (None, the error) for a config that does not compile (registers, shared
+    memory): recorded, not fatal."""
     try:
-        return fn(), None
-    except Exception as e:  # a config that does not compile (registers, shared memory) is recorded, not fatal
+        return fn(*args, **kwargs), None
+    except Exception as e:  # noqa: BLE001
         return None, f"{type(e).__name__}: {str(e)[:200]}"
 
 
@@ -109,8 +111,8 @@ def attention_baselines(shapes, cuda: bool):
         impls = (["cudnn"] if cuda else []) + (["xla"] if T <= 8192 else [])
         for impl in impls:
             fwd, fwd_bwd = bench._attention_fns(impl, None)
-            t_f, err = _try(lambda: bench.time_call(fwd, q, k, v, reps=5, calls=3))
-            t_fb, err2 = _try(lambda: bench.time_call(fwd_bwd, q, k, v, do, reps=5, calls=3))
+            t_f, err = _try(bench.time_call, fwd, q, k, v, reps=5, calls=3)
+            t_fb, err2 = _try(bench.time_call, fwd_bwd, q, k, v, do, reps=5, calls=3)
             if err or err2:
                 entry[f"{impl}_error"] = err or err2
                 continue
@@ -130,7 +132,7 @@ def tune_norm(clock: Clock, rows: int, d: int, copy_tbps: float):
             if not clock.open("norm") and rows_out:
                 rows_out.append(dict(dataclasses.asdict(launch), skipped="budget"))
                 continue
-            t, err = _try(lambda: bench.time_norm_pass(p, phase, launch))
+            t, err = _try(bench.time_norm_pass, p, phase, launch)
             row = dict(dataclasses.asdict(launch))
             if err:
                 row["error"] = err
@@ -148,6 +150,13 @@ def tune_norm(clock: Clock, rows: int, d: int, copy_tbps: float):
     return p, results, best
 
 
+def _time_merge_variant(p, name: str, tuning: dict | None) -> float:
+    if tuning is None:
+        return bench.time_merge_fwd_bwd(p, "xla" if name == "xla" else "pallas")
+    with _platform.norm_tuning_override(tuning["fwd"], tuning["bwd"]):
+        return bench.time_merge_fwd_bwd(p, "pallas")
+
+
 def norm_end_to_end(p, rows: int, d: int, copy_tbps: float, best: dict):
     """Forward + backward of the fused merge with the current table, with the tuned rows, and XLA's fusion."""
     nbytes = rows * d * (bench.NORM_PASS_BYTES["fwd"] + bench.NORM_PASS_BYTES["bwd"])
@@ -157,12 +166,7 @@ def norm_end_to_end(p, rows: int, d: int, copy_tbps: float, best: dict):
     if len(best) == 2:
         variants.insert(1, ("pallas_tuned", {ph: _platform.norm_tuning_of(L, block_d) for ph, L in best.items()}))
     for name, tuning in variants:
-        def run():
-            if tuning is None:
-                return bench.time_merge_fwd_bwd(p, "xla" if name == "xla" else "pallas")
-            with _platform.norm_tuning_override(tuning["fwd"], tuning["bwd"]):
-                return bench.time_merge_fwd_bwd(p, "pallas")
-        t, err = _try(run)
+        t, err = _try(_time_merge_variant, p, name, tuning)
         if err:
             out[name] = dict(error=err)
             continue
@@ -184,8 +188,7 @@ def time_pass_configs(clock: Clock, stage: str, prob, phase: str, cfgs, base: At
         if not clock.open(stage) and rows:
             rows.append(dict(cfg, skipped="budget"))
             continue
-        t, err = _try(lambda: bench.time_attention_pass(prob, phase, dataclasses.replace(base, **cfg), reps=reps,
-                                                        calls=3))
+        t, err = _try(bench.time_attention_pass, prob, phase, dataclasses.replace(base, **cfg), reps=reps, calls=3)
         if err:
             rows.append(dict(cfg, error=err))
             print(f"  {phase:3s} {_key(cfg)}: {err[:120]}", flush=True)
@@ -229,8 +232,8 @@ def attention_end_to_end(shapes, variants: dict, baselines: dict):
         entry = {}
         for name, blocks in variants.items():
             fwd, fwd_bwd = bench._attention_fns("pallas", blocks)
-            t_f, err = _try(lambda: bench.time_call(fwd, q, k, v, reps=5, calls=3))
-            t_fb, err2 = _try(lambda: bench.time_call(fwd_bwd, q, k, v, do, reps=5, calls=3))
+            t_f, err = _try(bench.time_call, fwd, q, k, v, reps=5, calls=3)
+            t_fb, err2 = _try(bench.time_call, fwd_bwd, q, k, v, do, reps=5, calls=3)
             if err or err2:
                 entry[name] = dict(error=err or err2)
                 print(f"  {name} T={T}: {err or err2}", flush=True)
@@ -263,7 +266,7 @@ def _blocks_literal(b: AttentionBlocks) -> str:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/tune.json")
-    ap.add_argument("--budget-s", type=float, default=220.0, help="wall-clock budget of the sweep stages")
+    ap.add_argument("--budget-s", type=float, default=180.0, help="wall-clock budget of the sweep stages")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU dry run of the code path)")
     args = ap.parse_args()
     clock = Clock(args.budget_s)

@@ -68,6 +68,7 @@ class AttentionBlocks:
             dq_k=fit(self.dq_k, kv_len), dkv_q=fit(self.dkv_q, q_len), dkv_k=fit(self.dkv_k, kv_len))
 
 
+# The attention tuning table. `python -m launch.tune_kernels` prints a replacement row for the backend it runs on.
 # CUDA: the fastest tiles of the sweep in benchmarks/kernels_h200.json (H200, B=4, T=4096, 8 q / 2 kv heads,
 # d=128): forward 0.39 ms, dq 0.44 ms, dk/dv 0.71 ms. ROCm values are untuned starting points.
 _ATTENTION = {
