@@ -144,17 +144,18 @@ def _kernel_inputs(p: MoEProblem, index: np.ndarray, block_rows: int, d_in: int,
 
 
 def _kernel_fn(phase: str, t: GroupedTiling):
+    interpret = _platform.interpret()
     if phase == "fwd":
         return jax.jit(lambda a: kern.rows_matmul(
             a["x"], a["w"], a["tile_group"], transpose_w=True, block_n=t.fwd_n, block_k=t.fwd_k,
-            group_rows=t.group_rows, num_warps=t.fwd_warps, num_stages=t.fwd_stages, interpret=_platform.interpret()))
+            group_rows=t.group_rows, num_warps=t.fwd_warps, num_stages=t.fwd_stages, interpret=interpret))
     if phase == "dgrad":
         return jax.jit(lambda a: kern.rows_matmul(
             a["dy"], a["w"], a["tile_group"], transpose_w=False, block_n=t.dgrad_n, block_k=t.dgrad_k,
-            group_rows=t.group_rows, num_warps=t.dgrad_warps, num_stages=t.dgrad_stages, interpret=_platform.interpret()))
+            group_rows=t.group_rows, num_warps=t.dgrad_warps, num_stages=t.dgrad_stages, interpret=interpret))
     return jax.jit(lambda a: kern.group_wgrad(
         a["dy"], a["x"], a["start"], a["count"], block_rows=t.block_rows, block_n=t.wgrad_n, block_k=t.wgrad_k,
-        rows_step=t.wgrad_rows, num_warps=t.wgrad_warps, num_stages=t.wgrad_stages, interpret=_platform.interpret()))
+        rows_step=t.wgrad_rows, num_warps=t.wgrad_warps, num_stages=t.wgrad_stages, interpret=interpret))
 
 
 def sweep_phase(phase: str, cfgs, base: GroupedTiling, p: MoEProblem, index: np.ndarray, routed: int):

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _grouped_kernels as kern
 from pallas_kernels import _platform
+from zaya_jax.ops.grouped_matmul import sum_to_type_of, vary_like, varying_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,20 +105,27 @@ def _wgrad(dy, x, tile_group, num_groups: int, t: GroupedTiling, interpret: bool
                             num_stages=t.wgrad_stages, interpret=interpret)
 
 
+# Inside shard_map (check_vma) a kernel's inputs must share one type: invariant ones (e.g. replicated weights)
+# are made varying like the tokens, and their gradients summed back over those axes in the backward.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _gmm(x, w, tile_group, tiling, interpret):
-    return _forward(x, w, tile_group, tiling, interpret)
+    return _forward(*vary_like((x, w, tile_group), _axes(x, w, tile_group)), tiling, interpret)
+
+
+def _axes(*arrays):
+    return frozenset().union(*map(varying_axes, arrays))
 
 
 def _gmm_fwd(x, w, tile_group, tiling, interpret):
-    return _forward(x, w, tile_group, tiling, interpret), (x, w, tile_group)
+    return _gmm(x, w, tile_group, tiling, interpret), (x, w, tile_group)
 
 
 def _gmm_bwd(tiling, interpret, res, dy):
     x, w, tile_group = res
-    dy = dy.astype(x.dtype)
-    return (_dgrad(dy, w, tile_group, tiling, interpret), _wgrad(dy, x, tile_group, w.shape[0], tiling, interpret),
-            None)
+    xv, wv, tgv, dy = vary_like((x, w, tile_group, dy.astype(x.dtype)), _axes(x, w, tile_group, dy))
+    dx = _dgrad(dy, wv, tgv, tiling, interpret)
+    dw = _wgrad(dy, xv, tgv, w.shape[0], tiling, interpret)
+    return sum_to_type_of(dx, x), sum_to_type_of(dw, w), None
 
 
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)

@@ -2,6 +2,8 @@
 dgrad and wgrad against the jnp reference, the custom VJP, and the experts / the model with moe_impl='pallas'
 against 'ragged'."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -267,3 +269,31 @@ def test_compiled_kernels_match_reference_on_gpu(dtype):
         y_ref, pull_ref = jax.vjp(lambda x, w: gmm.grouped_matmul_reference(x, w, lay.tile_group), up(x), up(w))
         for name, got, want in zip(("y", "dx", "dw"), (y, dx, dw), (y_ref, *pull_ref(up(dy)))):
             assert rel(got, want) <= TOL[dtype], f"{name} {d_in}x{d_out} rel err {rel(got, want):.2e}, seed {seed}"
+
+
+@pytest.mark.gpu
+def test_expert_block_inside_shard_map_on_gpu():
+    """Inside shard_map (check_vma) with replicated (invariant) weights: the kernels' inputs are made varying and
+    the weight gradients summed back, as autodiff does for ordinary primitives (interpret mode cannot run this)."""
+    from jax.sharding import PartitionSpec as P
+
+    from zaya_jax.model.experts import expert_block
+    rng, seed = rng_and_seed()
+    n, E, D, I = 1000, 8, 256, 128
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    x, wgu, wd = normal(rng, (n, D), jnp.bfloat16), normal(rng, (E, 2 * I, D), jnp.bfloat16), normal(
+        rng, (E, D, I), jnp.bfloat16)
+    index, weight = routing(rng, "mixed", n, E), jnp.asarray(rng.random(n), jnp.float32)
+
+    def grads(impl, x, index, weight, wgu, wd):
+        def f(x, wgu, wd):
+            out = expert_block(x, index, weight, wgu, wd, jax.nn.silu, impl=impl)
+            return jnp.sum(out.astype(jnp.float32) * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
+        return jax.grad(f, argnums=(0, 1, 2))(x, wgu, wd)
+
+    inside = jax.jit(jax.shard_map(functools.partial(grads, "pallas"), mesh=mesh,
+                                   in_specs=(P("data"), P("data"), P("data"), P(), P()),
+                                   out_specs=(P("data"), P(), P())))(x, index, weight, wgu, wd)
+    outside = jax.jit(functools.partial(grads, "ragged"))(x, index, weight, wgu, wd)
+    for got, want in zip(inside, outside):
+        assert rel(got, want) <= 2e-2, f"seed {seed}"

@@ -61,6 +61,23 @@ def tile_layout(index, num_groups: int, block_rows: int) -> TileLayout:
     return TileLayout(src=src, dst=dst, tile_group=tile_group.astype(jnp.int32))
 
 
+def varying_axes(a) -> frozenset:
+    """Mesh axes `a` varies over inside shard_map (empty outside, or where this jax does not track them)."""
+    return frozenset(getattr(getattr(jax.typeof(a), "mat", None), "varying", ()))
+
+
+def vary_like(arrays, union: frozenset):
+    """Each array made varying over all of `union` (shard_map's check_vma needs one type for a kernel's inputs)."""
+    return [jax.lax.pcast(a, tuple(sorted(union - varying_axes(a))), to="varying") for a in arrays]
+
+
+def sum_to_type_of(cotangent, primal):
+    """A cotangent varying over axes its primal does not is summed over them: the transpose of the implicit
+    broadcast of an invariant primal to varying values (what autodiff inserts for ordinary primitives)."""
+    extra = varying_axes(cotangent) - varying_axes(primal)
+    return jax.lax.psum(cotangent, tuple(sorted(extra))) if extra else cotangent
+
+
 @jax.custom_vjp
 def gather_rows(x, rows, inverse_rows):
     """x[rows] with zero rows where rows is out of range; `inverse_rows` must invert `rows` on its in-range
@@ -69,12 +86,14 @@ def gather_rows(x, rows, inverse_rows):
 
 
 def _gather_fwd(x, rows, inverse_rows):
-    return gather_rows(x, rows, inverse_rows), (rows, inverse_rows)
+    # x[:0]: an empty stand-in that keeps x's type (its varying mesh axes) for the backward
+    return gather_rows(x, rows, inverse_rows), (x[:0], inverse_rows)
 
 
 def _gather_bwd(res, dy):
-    _, inverse_rows = res
-    return jnp.take(dy, inverse_rows, axis=0, mode="fill", fill_value=0), None, None
+    x_type, inverse_rows = res
+    dx = jnp.take(dy, inverse_rows, axis=0, mode="fill", fill_value=0)
+    return sum_to_type_of(dx, x_type), None, None
 
 
 gather_rows.defvjp(_gather_fwd, _gather_bwd)
@@ -111,4 +130,4 @@ def block_rows(dtype, *, tiling=None) -> int:
 
 
 __all__ = ["TileLayout", "block_rows", "gather_rows", "grouped_matmul", "grouped_matmul_reference", "padded_rows",
-           "tile_layout"]
+           "sum_to_type_of", "tile_layout", "vary_like", "varying_axes"]
