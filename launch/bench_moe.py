@@ -88,7 +88,10 @@ def run_ragged_fusion(quick: bool, timeout_s: int = 180) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "ragged_fusion.json")
         cmd = [sys.executable, "-m", "launch.bench_moe", "--ragged-fusion-child", path] + (["--quick"] if quick else [])
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
+        except subprocess.TimeoutExpired:
+            return dict(error=f"timed out after {timeout_s} s")
         if proc.returncode != 0 or not os.path.exists(path):
             return dict(error=f"exit {proc.returncode}: {proc.stderr[-600:]}")
         with open(path) as f:
