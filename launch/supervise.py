@@ -2,11 +2,16 @@
 
 Runs the training command under the fault-tolerance supervisor (zaya_jax/fault/supervisor.py): restarts after
 crashes and hangs, rewinds and skips data after NaN losses and loss spikes, restarts on the devices available,
-logs every action to DIR/events.jsonl. The run directory is taken from the command's --workdir."""
+logs every action to DIR/events.jsonl. The run directory is taken from the command's --workdir.
+
+--nproc N runs the command as N processes of one jax.distributed job on this host (one per GPU by default,
+--devices-per-process K otherwise; on the CPU each process gets K emulated devices); when one dies or hangs, all
+are stopped and the group restarts from the latest checkpoint (zaya_jax/fault/group.py)."""
 
 import argparse
 import sys
 
+from zaya_jax.fault.group import PLATFORMS, GroupError, GroupSpec
 from zaya_jax.fault.supervisor import Supervisor, SupervisorConfig
 
 
@@ -27,6 +32,12 @@ def main(argv=None):
     ap.add_argument("--skip-window", type=int, default=1, help="steps of data skipped after a NaN/spike")
     ap.add_argument("--notify", help="shell command receiving each action as JSON on stdin")
     ap.add_argument("--devices-cmd", help="shell command printing the number of usable devices before a restart")
+    ap.add_argument("--nproc", type=int, default=1, help="processes (ranks) of one jax.distributed job on this host")
+    ap.add_argument("--devices-per-process", type=int, default=1, help="GPUs (or emulated CPU devices) per rank")
+    ap.add_argument("--platform", choices=PLATFORMS, default="auto",
+                    help="how ranks get their devices (auto: cpu when JAX_PLATFORMS=cpu, else gpu)")
+    ap.add_argument("--peer-grace", type=float, default=5.0,
+                    help="when one rank died: seconds the others get to exit before SIGKILL")
     args = ap.parse_args(argv[:split])
     command = argv[split + 1:]
     workdir = next((a.split("=", 1)[1] for a in command if a.startswith("--workdir=")), None)
@@ -34,11 +45,16 @@ def main(argv=None):
         workdir = command[command.index("--workdir") + 1]
     if not workdir:
         sys.exit("launch.supervise: the training command must name its --workdir")
+    try:
+        group = GroupSpec(nproc=args.nproc, devices_per_process=args.devices_per_process, platform=args.platform)
+    except GroupError as e:
+        sys.exit(f"launch.supervise: {e}")
     cfg = SupervisorConfig(workdir=workdir, command=command, max_restarts=args.max_restarts,
                            backoff_s=args.backoff, hang_factor=args.hang_factor, min_hang_s=args.min_hang,
                            startup_s=args.startup, spike_window=args.spike_window, spike_z=args.spike_z,
                            spike_min_steps=args.spike_min_steps, skip_window=args.skip_window,
-                           notify_cmd=args.notify, devices_cmd=args.devices_cmd)
+                           notify_cmd=args.notify, devices_cmd=args.devices_cmd, group=group,
+                           peer_grace_s=args.peer_grace)
     sys.exit(Supervisor(cfg).run())
 
 

@@ -9,8 +9,13 @@
                               last spike_window steps) above the median
   the same failure at the     unknown: stop and notify a human instead of looping
   same step twice, no progress
+Several processes (`group.nproc` > 1, one host): the command runs once per rank with the jax.distributed
+variables and its own devices (zaya_jax/fault/group.py); process 0 writes the heartbeat and the metrics. When any
+rank dies, the others cannot finish their collectives: they are stopped (SIGTERM, SIGKILL after peer_grace_s) and
+the whole group restarts from the latest finished checkpoint, at the data position saved with it.
 Devices: before each restart `devices_cmd` (if given) prints how many devices are usable; the trainer restarts on
-those (ZAYA_NUM_DEVICES), restoring the same logical checkpoint onto the smaller mesh with the same global batch.
+those (one process: ZAYA_NUM_DEVICES, restoring the same logical checkpoint onto the smaller mesh with the same
+global batch; a group: as many ranks as the usable devices fill).
 Every action is a line in WORKDIR/events.jsonl and is passed (as JSON on stdin) to `notify_cmd`.
 """
 
@@ -21,12 +26,12 @@ import json
 import math
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import time
 
 from zaya_jax.fault.control import CONTROL, EVENTS, HEARTBEAT, read_control, read_json, write_json_atomic
+from zaya_jax.fault.group import GroupSpec, ProcessGroup
 
 EXIT_NONFINITE = 65  # zaya_jax.train.loop.EXIT_NONFINITE (not imported: the supervisor must not load jax)
 
@@ -48,6 +53,8 @@ class SupervisorConfig:
     stop_grace_s: float = 60.0  # SIGTERM -> SIGKILL: time for the trainer to finish writing a checkpoint
     notify_cmd: str | None = None
     devices_cmd: str | None = None
+    group: GroupSpec = dataclasses.field(default_factory=GroupSpec)  # processes (ranks) and their devices
+    peer_grace_s: float = 5.0  # SIGTERM -> SIGKILL for the ranks left when one died (stuck in collectives)
 
 
 class Supervisor:
@@ -107,14 +114,19 @@ class Supervisor:
         self.event("rewind", reason=reason, bad_step=bad_step, resume_from=resume, skip_steps=window,
                    moved_checkpoints=moved, moved_to=aside if moved else None)
 
-    def _devices_env(self) -> dict:
-        env = dict(os.environ)
+    def _devices_env(self) -> tuple[dict, int]:
+        """The environment and the number of ranks of the next start."""
+        env, group = dict(os.environ), self.cfg.group
+        nproc = group.nproc
         if self.cfg.devices_cmd:
             out = subprocess.run(self.cfg.devices_cmd, shell=True, capture_output=True, text=True, check=False)
             n = out.stdout.strip()
             if n.isdigit() and int(n) > 0:
-                env["ZAYA_NUM_DEVICES"] = n
-        return env
+                if group.nproc == 1:
+                    env["ZAYA_NUM_DEVICES"] = n
+                else:  # whole ranks only: each rank keeps its devices_per_process
+                    nproc = max(1, min(group.nproc, int(n) // group.devices_per_process))
+        return env, nproc
 
     # ---- the watch loop -------------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -124,13 +136,13 @@ class Supervisor:
         offset = 0
         history: list[tuple[int, float]] = []  # (step, loss) of recent good steps, for the spike statistics
         while True:
-            env = self._devices_env()
+            env, nproc = self._devices_env()
             hb_path = os.path.join(cfg.workdir, HEARTBEAT)
             start_beat = read_json(hb_path, {}) or {}
-            child = subprocess.Popen(cfg.command, env=env, start_new_session=True)
-            self.event("start", pid=child.pid, command=cfg.command, devices=env.get("ZAYA_NUM_DEVICES"),
-                       from_step=start_beat.get("step"))
-            verdict = self._watch(child, hb_path, start_beat, offset, history)
+            group = ProcessGroup(cfg.command, cfg.group, env, nproc)
+            self.event("start", pid=group.pids[0], pids=group.pids, nproc=nproc, command=cfg.command,
+                       devices=env.get("ZAYA_NUM_DEVICES"), from_step=start_beat.get("step"))
+            verdict = self._watch(group, hb_path, start_beat, offset, history)
             offset = verdict.pop("offset")
             if verdict["kind"] == "done":
                 self.event("done", step=verdict.get("step"))
@@ -155,7 +167,7 @@ class Supervisor:
             time.sleep(backoff)
             backoff = min(60.0, backoff * 2)
 
-    def _watch(self, child, hb_path, start_beat, offset, history) -> dict:
+    def _watch(self, group: ProcessGroup, hb_path, start_beat, offset, history) -> dict:
         cfg = self.cfg
         beats: list[tuple[float, int]] = []
         last_seen = time.time()
@@ -164,24 +176,25 @@ class Supervisor:
             rows, offset = self._losses(offset)
             for step, loss in rows:
                 if not math.isfinite(loss):
-                    _kill(child, cfg.stop_grace_s)
+                    group.stop(cfg.stop_grace_s)
                     return {"kind": "nonfinite", "bad_step": step, "step": step, "offset": offset,
                             "progressed": True}
                 if self._is_spike(loss, [x for _, x in history]):
-                    _kill(child, cfg.stop_grace_s)
+                    group.stop(cfg.stop_grace_s)
                     return {"kind": "spike", "bad_step": step, "step": step, "loss": loss, "offset": offset,
                             "progressed": True}
                 history.append((step, loss))
                 del history[:-cfg.spike_window]
             hb = read_json(hb_path, {}) or {}
-            finishing = hb.get("finishing", False) and hb.get("pid") == child.pid
+            finishing = hb.get("finishing", False) and hb.get("pid") in group.pids
             if hb.get("step") is not None and hb.get("step") != seen_step:
                 seen_step = hb["step"]
                 now = time.time()
                 beats.append((now, seen_step))
                 last_seen = now
-            code = child.poll()
+            code = group.poll()
             if code is not None:
+                group.stop(cfg.peer_grace_s)  # the ranks still running wait on the dead one's collectives
                 rows, offset = self._losses(offset)
                 bad = next(((s, x) for s, x in rows if not math.isfinite(x)), None)
                 progressed = seen_step != start_beat.get("step")
@@ -192,12 +205,14 @@ class Supervisor:
                     return {"kind": "nonfinite", "bad_step": step, "step": step, "offset": offset,
                             "progressed": progressed}
                 how = f"signal {-code}" if code < 0 else f"exit {code}"
-                return {"kind": "crash", "how": how, "step": seen_step, "offset": offset, "progressed": progressed}
+                where = {"rank": group.failed[0]} if group.nproc > 1 else {}
+                return {"kind": "crash", "how": how, **where, "step": seen_step, "offset": offset,
+                        "progressed": progressed}
             timeout = self._hang_timeout(beats) if beats and not finishing else cfg.startup_s
             if time.time() - last_seen > timeout:
                 self.event("hang", step=seen_step, silent_s=round(time.time() - last_seen, 1),
                            timeout_s=round(timeout, 1))
-                _kill(child, 0.0)  # a hung main thread never reaches its stop check: no grace
+                group.stop(0.0)  # a hung main thread never reaches its stop check: no grace
                 return {"kind": "hang", "step": seen_step, "offset": offset,
                         "progressed": seen_step != start_beat.get("step")}
             time.sleep(cfg.poll_s)
@@ -215,18 +230,3 @@ class Supervisor:
         mad = statistics.median(abs(x - med) for x in history) or 1e-6
         return (loss - med) / (1.4826 * mad) > self.cfg.spike_z
 
-
-def _kill(child: subprocess.Popen, grace_s: float):
-    """SIGTERM the process group (the trainer finishes in-flight checkpoint writes and exits), SIGKILL whatever is
-    left after grace_s, then reap it."""
-    for sig in ((signal.SIGTERM,) if grace_s > 0 else ()) + (signal.SIGKILL,):
-        try:
-            os.killpg(child.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            child.wait(timeout=grace_s)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    child.wait()
