@@ -1,9 +1,10 @@
-"""Training throughput on one GPU, ours vs Hugging Face ZayaForCausalLM (PyTorch), side by side:
+"""Training throughput on one GPU, ours vs Hugging Face ZayaForCausalLM (PyTorch), side by side (issue 10):
 
-    python -m launch.bench_train --preset bench [--batch 2 --seq 4096 --steps 8 --out benchmarks/train_h200.json]
-    python -m launch.bench_train --preset tiny --batch 2 --seq 64 --steps 2 --no-hf --out /tmp/bench.json  # CPU smoke
+    python -m launch.bench_train --preset bench --time-budget 420 --out benchmarks/train_h200.json
+    python -m launch.bench_train --preset tiny --batch 2 --seq 32 --steps 2 --no-hf --long-seq 64 \
+        --accum 2 --batch-ladder 3 --out /tmp/bench.json  # CPU smoke
 
-Everything (variants, phases, what is timed, the JSON fields) is described in zaya_jax/train/bench.py.
+What is measured, the schedule and the JSON keys are described in zaya_jax/train/bench.py.
 """
 
 from zaya_jax.train.bench import main

@@ -1,59 +1,163 @@
-"""The training benchmark (zaya_jax/train/bench.py) on the CPU: the bf16-cotangent backward GEMMs it measures give
-the gradients of the unpatched model, and one variant runs end to end and writes its report."""
+"""The training benchmark's modules on the CPU (zaya_jax/train/bench*.py): variant selection, the memory searches'
+walk, the report's ratios and HF's derived accumulation figure, the HF process driver, a run of the main,
+breakdown and accumulation programs end to end, a rejected config override reported per variant, and the train
+state rebuilt after a failed call consumed its donated buffers."""
 
 import json
+import sys
+import types
 
 import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
-
-from zaya_jax.config import preset
-from zaya_jax.model import ZayaForCausalLM
-from zaya_jax.model.base import BalancingBias
-from zaya_jax.train import bench
-from zaya_jax.train.step import make_loss_fn
-
-
 import pytest
 
-
-@pytest.mark.parametrize("bf16_out", [False, True])
-def test_bf16_cotangent_gemms_keep_the_gradients(bf16_out):
-    cfg = preset("tiny", remat="none", dtype="bfloat16")
-    graphdef, params, state = nnx.split(ZayaForCausalLM(cfg, seed=0), nnx.Param, BalancingBias)
-    params, state = nnx.to_pure_dict(params), nnx.to_pure_dict(state)
-    B, T = 2, 32
-    ids = jax.random.randint(jax.random.key(1), (B, T + 1), 3, cfg.vocab_size)
-    batch = dict(inputs=ids[:, :-1], targets=ids[:, 1:], loss_mask=jnp.ones((B, T)),
-                 source_ids=jnp.zeros((B,), jnp.int32))
-    grad = jax.value_and_grad(make_loss_fn(graphdef, False), has_aux=True)
-    (l0, c0), g0 = jax.jit(grad)(params, state, batch)
-    with bench.bf16_backward_gemms(bf16_out)():
-        (l1, c1), g1 = jax.jit(grad)(params, state, batch)
-    if bf16_out:  # one rounding of the same fp32-accumulated products (CPU accumulation order may differ)
-        np.testing.assert_allclose(float(l1), float(l0), rtol=1e-3)
-    else:
-        assert float(l1) == float(l0)  # the forward is untouched
-    if not bf16_out:
-        np.testing.assert_array_equal(c1, c0)
-    for path, a in jax.tree_util.tree_leaves_with_path(g1):
-        b = g0
-        for k in path:
-            b = b[k.key]
-        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-        # the same bf16-valued products, fp32 accumulation in another order: bf16 rounding of the results at most
-        assert np.linalg.norm(a - b) <= 1e-2 * np.linalg.norm(b) + 1e-12, jax.tree_util.keystr(path)
+from zaya_jax.train import bench, bench_hf, bench_report
+from zaya_jax.train.bench_hf_driver import HFProcess
+from zaya_jax.train.bench_runner import Runner
+from zaya_jax.train.bench_timing import Clock
+from zaya_jax.train.bench_variants import (
+    Variant,
+    default_variants,
+    extra_variants,
+    select,
+)
 
 
-def test_bench_runs_one_variant_on_cpu(tmp_path):
-    out = tmp_path / "report.json"
-    args = bench.parse_args(["--preset", "tiny", "--batch", "2", "--seq", "32", "--steps", "2", "--warmup", "1",
-                             "--variants", "main,opt_zaya", "--no-hf", "--ce-chunk", "24", "--compile-threads", "2",
-                             "--workdir", str(tmp_path / "w"), "--out", str(out)])
+def args_for(tmp_path, *extra):
+    return bench.parse_args(["--preset", "tiny", "--batch", "2", "--seq", "32", "--steps", "2", "--warmup", "1",
+                             "--no-hf", "--ce-chunk", "24", "--compile-threads", "2", "--long-seq", "64",
+                             "--workdir", str(tmp_path / "w"), "--out", str(tmp_path / "report.json"), *extra])
+
+
+def test_selection_and_validation():
+    vs, searches = default_variants(2, 4096, gpu=True, long_seq=32768, ladder=[4, 6, 8], accums=[4, 16])
+    names = [v.name for v in vs]
+    for want in ("main", "fwd", "fwd_bwd", "opt_zaya", "main_adamw", "opt_adamw", "moe_pallas", "accum4",
+                 "accum16", "accum16_once"):
+        assert want in names
+    assert {s.name: [c.name for c in s.candidates] for s in searches} == {
+        "ctx32k": ["ctx32k", "ctx32k_remat_save_dots", "ctx32k_remat_full"],
+        "largest_batch": ["batch4", "batch6", "batch8"]}
+    acc = next(v for v in vs if v.name == "accum16")
+    assert acc.tokens == 16 * 2 * 4096 and acc.state_key == "zaya_multisteps"
+    assert next(v for v in vs if v.name == "accum16_once").state_key == "zaya"
+    chosen, kept = select(vs, searches, extra_variants(2, 4096, True), "main,unrolled,batch6", "")
+    assert [v.name for v in chosen] == ["main", "unrolled"]
+    assert [(s.name, [c.name for c in s.candidates]) for s in kept] == [("largest_batch", ["batch6"])]
+    _, kept = select(vs, searches, [], "", "ctx32k")
+    assert [s.name for s in kept] == ["largest_batch"]
+    with pytest.raises(ValueError, match="unknown variant"):
+        select(vs, searches, [], "main,nope", "")
+    with pytest.raises(ValueError, match="accum"):
+        Variant("x", 2, 32, accum=4)
+
+
+class FakeCompiled:
+    def __init__(self, gib):
+        self.gib = gib
+
+    def memory_analysis(self):
+        return types.SimpleNamespace(argument_size_in_bytes=int(self.gib * 2 ** 30), output_size_in_bytes=0,
+                                     alias_size_in_bytes=0, temp_size_in_bytes=0)
+
+
+@pytest.mark.parametrize("mode,sizes,chosen,tried", [
+    ("largest", [10, 20, 40, 50], "c1", 3),  # walks up, stops at the first that does not fit
+    ("first", [40, 45, 20, 10], "c2", 3),  # keeps the first that fits
+])
+def test_memory_search_walk(tmp_path, mode, sizes, chosen, tried):
+    from zaya_jax.train.bench_variants import Search
+    runner = Runner(args_for(tmp_path, "--memory-limit-gib", "30"), {"log": []}, Clock(1e9), lambda m: None)
+    cands = [Variant(f"c{i}", 2, 32) for i in range(len(sizes))]
+    items = []
+    for v, gib in zip(cands, sizes):
+        item = {"variant": v, "lowered": types.SimpleNamespace(compile=lambda gib=gib: FakeCompiled(gib))}
+        runner.items[v.name] = item
+        items.append(item)
+    got = runner._search(Search("s", mode, tuple(cands)), items, deadline=float("inf"))
+    rep = runner.report["searches"]["s"]
+    assert got == chosen == rep["chosen"] and len(rep["tried"]) == tried
+    assert [t["fits"] for t in rep["tried"]] == [g <= 30 * 0.96 for g in sizes[:tried]]
+    assert "compiled" in runner.items[chosen]
+
+
+def test_report_ratios_and_derived_hf_accumulation():
+    ma = {"peak_estimate_gib": 40.0}
+    step = lambda s, **kw: {"kind": "step", "batch": 2, "seq": 4096, "accum": 1, "median_s": s,
+                            "tokens_per_s": 8192 / s, "mfu": 0.1 * 0.4 / s, "memory_analysis": ma, "note": "", **kw}
+    report = {"batch": 2, "seq": 4096, "flops_per_token": {"4096": 4.3e9}, "variants": {
+        "main": step(0.4), "main_adamw": step(0.25),
+        "fwd": {**step(0.06), "kind": "fwd"}, "fwd_bwd": {**step(0.2), "kind": "fwd_bwd"},
+        "opt_zaya": {**step(0.18), "kind": "opt", "tokens_per_s": None},
+        "accum16": step(16 * 0.2 + 0.18, kind="accum", accum=16, accum_update="trainer",
+                        tokens_per_s=16 * 8192 / (16 * 0.2 + 0.18)),
+    }, "hf": {"batch": 2, "seq": 4096,
+              "eager": {"median_s": 0.3, "tokens_per_s": 8192 / 0.3, "fwd_bwd_s": 0.25, "optimizer_s": 0.05},
+              "compiled": {"median_s": 0.128, "tokens_per_s": 8192 / 0.128, "fwd_bwd_s": 0.11,
+                           "optimizer_s": 0.018}}}
+    lines = bench_report.summarize(report)
+    assert report["hf_variant"] == "compiled" and report["ratio_vs_hf"] == pytest.approx(0.128 / 0.4)
+    assert report["ratio_vs_hf_same_optimizer"] == pytest.approx(0.128 / 0.25)
+    hf16 = 16 * 8192 / (16 * 0.11 + 0.018)
+    acc = report["accumulation"]["accum16"]
+    assert acc["hf_tokens_per_s_derived"] == pytest.approx(hf16)
+    assert report["ratio_vs_hf_accum16"] == pytest.approx(16 * 8192 / (16 * 0.2 + 0.18) / hf16)
+    assert acc["optimizer_share"] == pytest.approx(0.18 / (16 * 0.2 + 0.18))
+    assert "DERIVED" in report["ratio_labels"]["ratio_vs_hf_accum16"]
+    assert set(report["ratio_labels"]) == {"ratio_vs_hf", "ratio_vs_hf_same_optimizer", "ratio_vs_hf_accum16"}
+    bd = report["breakdown"]
+    assert bd["optimizer_share"] == pytest.approx(0.18 / 0.4) and bd["backward_ms_derived"] == pytest.approx(140)
+    assert report["hf_breakdown"]["optimizer_ms"] == pytest.approx(18)
+    assert any(line.startswith("ratio_vs_hf:") for line in lines)
+
+
+def test_hf_driver_command_and_a_failed_process(tmp_path):
+    hf = HFProcess(str(tmp_path), log=lambda m: None)
+    kw = {"experts": "grouped_mm", "batch": 1, "seq": 8, "steps": 3, "warmup": 1, "ceiling_size": 64,
+          "wait_deadline": 5.0, "timing_deadline": 7.0, "compile_model": False}
+    hf_args = bench_hf.parse_args(hf.command(sys.executable, **kw)[2:])  # the driver speaks the script's CLI
+    assert (hf_args.batch, hf_args.steps, hf_args.timing_deadline, hf_args.no_compile) == (1, 3, 7.0, True)
+    hf.start("false", {"vocab_size": 8}, **kw)  # a process that fails: the run goes on with what it left
+    hf.jax_compiled()
+    assert hf.wait_exit(60) == "exited 1"
+    assert json.loads((tmp_path / "hf_config.json").read_text()) == {"vocab_size": 8}
+    assert hf.results() == {"log_tail": ""}
+
+
+def test_run_end_to_end_on_cpu(tmp_path):
+    args = args_for(tmp_path, "--variants", "main,opt_zaya,accum2,accum2_once,largest_batch", "--accum", "2",
+                    "--batch-ladder", "3")
     rep = bench.run(args)
     assert rep["errors"] == {}
-    main = rep["variants"]["main"]
-    assert main["loss_finite"] and main["tokens_per_s"] > 0 and main["steps_timed"] == 2
-    assert 0 < rep["breakdown"]["optimizer_share"]
-    assert json.loads(out.read_text())["tokens_per_s"] == rep["tokens_per_s"]
+    v = rep["variants"]
+    assert v["main"]["loss_finite"] and v["main"]["steps_timed"] == 2
+    for name in ("accum2", "accum2_once"):
+        assert v[name]["tokens_per_call"] == 2 * 2 * 32 and v[name]["loss_finite"]
+    assert rep["searches"]["largest_batch"]["chosen"] == "batch3" and v["batch3"]["batch"] == 3
+    assert rep["largest_batch"]["batch"] == 3
+    assert rep["breakdown"]["optimizer_share"] > 0 and "accum2_once" in rep["accumulation"]  # CPU timings: noisy
+    assert json.loads((tmp_path / "report.json").read_text())["tokens_per_s"] == rep["tokens_per_s"]
+
+
+def test_rejected_override_and_state_rebuilt_after_failure(tmp_path):
+    args = args_for(tmp_path)
+    report = {"log": []}
+    runner = Runner(args, report, Clock(1e9), lambda m: None)
+    main = Variant("main", 2, 32, attention_impl="xla", ce_chunk=24)
+    runner.compile_all([Variant("bad_moe", 2, 32, moe_impl="no_such_impl"), main], [], float("inf"))
+    assert report["errors"]["bad_moe"].startswith("lower:") and "no_such_impl" in report["errors"]["bad_moe"]
+    compiled = runner.compiled("main", float("inf"))
+    consumed = []
+
+    def fails_after_donating(state, batch):
+        consumed.append(state)
+        compiled(state, batch)  # donates the state's buffers, then the "step" fails
+        raise RuntimeError("simulated failure after donation")
+
+    runner.items["main"]["compiled"] = fails_after_donating
+    assert runner.run_variant(main, float("inf")) is None
+    assert "simulated failure" in report["errors"]["main"]
+    assert jax.tree.leaves(consumed[0])[0].is_deleted()  # the state really is gone
+    assert "zaya" not in runner.states
+    runner.items["main"]["compiled"] = compiled
+    res = runner.run_variant(main, float("inf"))  # a fresh state is built
+    assert res["loss_finite"] and res["tokens_per_s"] > 0

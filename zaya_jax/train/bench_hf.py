@@ -1,46 +1,33 @@
-"""The Hugging Face side of the training benchmark (zaya_jax/train/bench.py starts this as its own process; it never
-imports jax or zaya_jax):
+"""The Hugging Face side of the training benchmark (zaya_jax/train/bench_hf_driver.py starts this as its own
+process; it never imports jax or zaya_jax):
 
     python zaya_jax/train/bench_hf.py --config hf_config.json --batch 2 --seq 4096 --workdir DIR --out hf.json
 
 transformers' ZayaForCausalLM built from our config.json dict, bf16 parameters, SDPA attention, the experts
-implementation asked for (`grouped_mm`: transformers 5.23 reads config._experts_implementation, also settable as
-`experts_implementation=` in from_pretrained/_from_config; None resolves to grouped_mm when available), fused
-torch.optim.AdamW; one training step = forward with labels (HF's own shifted, fp32-upcast loss), backward, AdamW
-step, zero_grad. Timed eager, then under torch.compile(model), with CUDA events, medians after warm-up.
+implementation asked for (`grouped_mm`: transformers 5.23 reads config._experts_implementation), fused
+torch.optim.AdamW. Measured eager, then under torch.compile(model), with CUDA events, medians after warm-up:
+- `step`: forward with labels (HF's own shifted, fp32-upcast loss), backward, AdamW step, zero_grad;
+- `fwd_bwd`: forward + backward only, gradients accumulating into .grad (a microbatch of gradient accumulation);
+- `optimizer`: AdamW step alone (the once-per-k part of gradient accumulation).
+With accumulation over k microbatches HF's step would cost k * fwd_bwd + optimizer; the report derives that
+figure from these two measurements (bench_report.py) and says so.
 
-Protocol with the JAX process (files in --workdir): compile/warm up first, write `hf_compiled`; time only after
-`jax_compiled` exists (or the deadline), each timed region under the exclusive lock `gpu.lock`.
+Protocol with the JAX process (files in --workdir): warm up / compile first, write `hf_compiled`; time only after
+`jax_compiled` exists (the JAX side has finished compiling; or the deadline passed), then exit, which frees the
+GPU for the JAX timings.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import json
 import os
+import statistics
 import time
 import traceback
 
 
-@contextlib.contextmanager
-def gpu_lock(path):
-    with open(path, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def median(xs):
-    xs = sorted(xs)
-    n = len(xs)
-    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
-
-
-def main():
+def parse_args(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", required=True)
     ap.add_argument("--batch", type=int, default=2)
@@ -49,15 +36,18 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--t0", type=float, default=None)
-    ap.add_argument("--budget", type=float, default=1e9)
+    ap.add_argument("--timing-deadline", type=float, default=None, help="unix time: stop starting timed runs")
+    ap.add_argument("--wait-deadline", type=float, default=None, help="unix time: stop waiting for jax_compiled")
     ap.add_argument("--experts", default="grouped_mm")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--ceiling-size", type=int, default=8192)
-    args = ap.parse_args()
-    t0 = args.t0 or time.time()
-    deadline = lambda frac: t0 + args.budget * frac  # noqa: E731
-    lock = os.path.join(args.workdir, "gpu.lock")
+    return ap.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    t0 = time.time()
+    timing_deadline = args.timing_deadline or float("inf")
     report = {"batch": args.batch, "seq": args.seq, "errors": {}}
 
     def save():
@@ -80,29 +70,32 @@ def main():
 
     with open(args.config) as f:
         hf_dict = json.load(f)
-    hf_dict = {k: v for k, v in hf_dict.items() if k not in ("architectures", "model_type")}
-    cfg = ZayaConfig(**hf_dict)
+    cfg = ZayaConfig(**{k: v for k, v in hf_dict.items() if k not in ("architectures", "model_type")})
     cfg._attn_implementation = "sdpa"
     cfg._experts_implementation = args.experts
     torch.manual_seed(0)
     with dev:
         model = ZayaForCausalLM(cfg)
     model = model.to(torch.bfloat16).train()
-    report["experts_implementation"] = model.config._experts_implementation
-    report["attn_implementation"] = model.config._attn_implementation
-    report["params"] = sum(p.numel() for p in model.parameters())
+    report.update(experts_implementation=model.config._experts_implementation,
+                  attn_implementation=model.config._attn_implementation,
+                  params=sum(p.numel() for p in model.parameters()))
     log(f"built: {report['params'] / 1e9:.3f}B params, experts={report['experts_implementation']}, "
         f"attn={report['attn_implementation']}")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=cuda)
     g = torch.Generator(device=dev).manual_seed(1)
     ids = torch.randint(3, cfg.vocab_size, (args.batch, args.seq), device=dev, generator=g)
 
-    def step(m):
+    def fwd_bwd(m):
         out = m(input_ids=ids, labels=ids)
         out.loss.backward()
+        return out.loss.detach()
+
+    def step(m):
+        loss = fwd_bwd(m)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return out.loss.detach()
+        return loss
 
     runners = {"eager": model}
     warm = {}
@@ -127,8 +120,9 @@ def main():
         save()
     open(os.path.join(args.workdir, "hf_compiled"), "w").close()
 
-    # wait for the JAX side to finish compiling (its autotuning runs kernels on the GPU)
-    while not os.path.exists(os.path.join(args.workdir, "jax_compiled")) and time.time() < deadline(0.6):
+    # the JAX side's compile autotunes kernels on this GPU: time after it has finished
+    wait_until = args.wait_deadline or float("inf")
+    while not os.path.exists(os.path.join(args.workdir, "jax_compiled")) and time.time() < wait_until:
         time.sleep(0.5)
 
     def timed(fn, reps):
@@ -147,54 +141,63 @@ def main():
                 times.append(time.perf_counter() - t)
         return times
 
-    wants = os.path.join(args.workdir, "hf_wants")
-    open(wants, "w").close()  # the JAX side lets this process time first
-    with gpu_lock(lock):
-        try:
-            n = args.ceiling_size if cuda else 512
-            x = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
-            y = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
-            for _ in range(3):
-                x @ y
-            sync()
-            report["gemm_ceiling_tflops_torch"] = 2 * n ** 3 / median(timed(lambda: x @ y, 10)) / 1e12
-            report["ceiling_size"] = n
-            del x, y
-            log(f"torch GEMM ceiling {report['gemm_ceiling_tflops_torch']:.0f} TFLOP/s")
-        except Exception as e:  # noqa: BLE001
-            report["errors"]["gemm_ceiling"] = repr(e)
+    try:
+        n = args.ceiling_size if cuda else 512
+        report["gemm_ceiling_tflops_torch"] = gemm_ceiling_tflops(torch, dev, n, timed, sync)
+        report["ceiling_size"] = n
+        log(f"torch GEMM ceiling {report['gemm_ceiling_tflops_torch']:.0f} TFLOP/s")
+    except Exception as e:  # noqa: BLE001
+        report["errors"]["gemm_ceiling"] = repr(e)
     save()
 
     for name, m in runners.items():
-        if time.time() > deadline(0.78):
+        if time.time() > timing_deadline:
             report[name] = {"error": "skipped: out of time"}
             continue
         try:
-            with gpu_lock(lock):
-                step(m)  # one more warm-up right before timing
-                sync()
-                if cuda:
-                    torch.cuda.reset_peak_memory_stats()
-                t = time.perf_counter()
-                first = timed(lambda: step(m), 1)[0]
-                reps = max(2, min(args.steps, int((deadline(0.78) - time.time()) / max(first, 1e-3) / 2)))
-                times = timed(lambda: step(m), reps)
-                losses = [float(step(m)) for _ in range(1)]
-                sync()
-            med = median(times)
-            report[name] = {"median_s": med, "step_times_s": times, "tokens_per_s": args.batch * args.seq / med,
-                            "warmup_s": warm.get(name), "loss": losses[-1],
-                            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None}
-            log(f"{name}: median {med * 1e3:.1f} ms, {report[name]['tokens_per_s']:,.0f} tok/s, "
-                f"peak {report[name]['peak_memory_gib'] or 0:.1f} GiB")
+            report[name] = time_runner(m, step, fwd_bwd, opt, timed, sync, args, timing_deadline, cuda, torch)
+            report[name]["warmup_s"] = warm.get(name)
+            r = report[name]
+            log(f"{name}: step {r['median_s'] * 1e3:.1f} ms, {r['tokens_per_s']:,.0f} tok/s; fwd+bwd "
+                f"{r['fwd_bwd_s'] * 1e3:.1f} ms, AdamW step {r['optimizer_s'] * 1e3:.1f} ms; "
+                f"peak {r['peak_memory_gib'] or 0:.1f} GiB")
         except Exception as e:  # noqa: BLE001
             report[name] = {"error": repr(e)[:2000]}
             traceback.print_exc()
         save()
-    if os.path.exists(wants):
-        os.remove(wants)
-    open(os.path.join(args.workdir, "hf_timed"), "w").close()
     log("done")
+
+
+def gemm_ceiling_tflops(torch, dev, n: int, timed, sync) -> float:
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    sync()
+    return 2 * n ** 3 / statistics.median(timed(lambda: a @ b, 10)) / 1e12
+
+
+def time_runner(m, step, fwd_bwd, opt, timed, sync, args, deadline, cuda, torch) -> dict:
+    """The full step, then forward+backward alone (gradients accumulating), then the optimizer step alone."""
+    step(m)  # one more warm-up right before timing
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    first = timed(lambda: step(m), 1)[0]
+    reps = max(2, min(args.steps, int((deadline - time.time()) / max(first, 1e-3) / 3)))
+    times = timed(lambda: step(m), reps)
+    loss = float(step(m))
+    fwd_bwd(m)  # creates .grad; the timed calls accumulate into it as microbatches of accumulation do
+    sync()
+    fb = timed(lambda: fwd_bwd(m), reps)
+    ot = timed(opt.step, reps)  # every call a full AdamW update (the gradients stay in place)
+    opt.zero_grad(set_to_none=True)
+    sync()
+    med = statistics.median(times)
+    return {"median_s": med, "step_times_s": times, "tokens_per_s": args.batch * args.seq / med, "loss": loss,
+            "fwd_bwd_s": statistics.median(fb), "fwd_bwd_times_s": fb, "optimizer_s": statistics.median(ot),
+            "optimizer_times_s": ot,
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,125 @@
+"""Kernel profile of one benchmark variant: two calls under jax.profiler, kernels grouped by class, by phase
+(forward / backward / other, from the JAX op_name in the HLO metadata) and by op. XLA runs the step as CUDA
+command buffers, so per-op attribution may only see command_buffer_N: by_class_ms and top_kernels_ms still hold."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import jax
+
+from zaya_jax.train.bench_programs import variant_batch
+
+
+def profile(runner, name: str, workdir: str) -> dict | None:
+    """Trace two calls of a compiled variant; returns the breakdown (or None when the variant did not compile)."""
+    item = runner.items.get(name)
+    if item is None or runner.compiled(name, 0) is None:
+        return None
+    v, c = item["variant"], item["compiled"]
+    if v.kind == "opt":
+        raise ValueError(f"profile: variant {name} is an optimizer-only program; profile a step variant")
+    batch = variant_batch(item["cfg"], v, seed=2)
+    logdir = os.path.join(workdir, f"trace_{name}")
+    state = runner.ensure_state(v.state_key)
+    reps = 2
+    if v.kind in ("step", "accum"):
+        runner.states.pop(v.state_key)
+        state, _ = c(state, batch)
+        jax.block_until_ready(state)
+        with jax.profiler.trace(logdir):
+            for _ in range(reps):
+                state, _ = c(state, batch)
+            jax.block_until_ready(state)
+        runner.states[v.state_key] = state
+    else:
+        jax.block_until_ready(c(state, batch))
+        with jax.profiler.trace(logdir):
+            for _ in range(reps):
+                out = c(state, batch)
+            jax.block_until_ready(out)
+    files = glob.glob(f"{logdir}/plugins/profile/*/*.xplane.pb")
+    if not files:
+        return None
+    return breakdown(jax.profiler.ProfileData.from_file(files[0]), hlo_op_names(c.as_text()), reps,
+                     gpu=jax.devices()[0].platform == "gpu", forward_only=v.kind == "fwd")
+
+
+def breakdown(pd, op_names: dict, reps: int, gpu: bool, forward_only: bool) -> dict:
+    by_class, by_name, by_op, by_phase = {}, {}, {}, {}
+    total = 0.0
+    for plane in pd.planes:
+        if not plane.name.startswith("/device:GPU" if gpu else "/host:CPU"):
+            continue
+        for line in plane.lines:
+            if gpu and "Stream" not in line.name:
+                continue
+            for ev in line.events:
+                d = ev.duration_ns / reps / 1e6  # ms per call
+                total += d
+                hlo = str(dict(ev.stats).get("hlo_op", ""))
+                op = op_names.get(hlo, "")
+                phase = ("backward" if "transpose(" in op else "forward" if "jvp(" in op or forward_only
+                         else "other (optimizer, balancing, copies)")
+                for table, key in ((by_class, kernel_class(ev.name)), (by_name, ev.name), (by_phase, phase),
+                                   (by_op, f"{phase[:3]} {op_key(op) or hlo or ev.name[:60]}")):
+                    table[key] = table.get(key, 0) + d
+    top = lambda dct, n: [[k[:200], round(t, 3)] for k, t in sorted(dct.items(), key=lambda kv: -kv[1])[:n]]
+    return {"kernel_ms_per_step": total, "by_phase_ms": dict(top(by_phase, 10)), "by_class_ms": dict(top(by_class, 20)),
+            "top_ops_ms": top(by_op, 40), "top_kernels_ms": top(by_name, 25)}
+
+
+def summary_line(name: str, prof: dict) -> str:
+    return (f"profile {name}: {prof['kernel_ms_per_step']:.1f} ms of kernels per call; by phase "
+            + json.dumps(prof["by_phase_ms"]) + "; by class " + json.dumps(dict(list(prof["by_class_ms"].items())[:8])))
+
+
+def hlo_op_names(hlo_text: str) -> dict:
+    """HLO instruction name -> the JAX op_name in its metadata (e.g. 'jit(train_step)/transpose(jvp(...))/dot')."""
+    out = {}
+    for line in hlo_text.splitlines():
+        line = line.strip()
+        line = line.removeprefix("ROOT ")
+        if not line.startswith("%") or "=" not in line:
+            continue
+        name = line[1:line.index("=")].strip()
+        i = line.find('op_name="')
+        if i >= 0:
+            out[name] = line[i + 9:line.find('"', i + 9)]
+    return out
+
+
+def op_key(op_name: str) -> str:
+    """A readable key for an op_name: drop the jit( ) wrapper and jvp/transpose wrappers, keep the path."""
+    if not op_name:
+        return ""
+    parts = op_name.split("/")[1:] or [op_name]
+    clean = []
+    for p in parts:
+        while p.startswith(("jvp(", "transpose(", "checkpoint(", "remat(")) and p.endswith(")"):
+            p = p[p.index("(") + 1:-1]
+        clean.append(p)
+    return "/".join(clean)[-160:]
+
+
+def kernel_class(name: str) -> str:
+    n = name.lower()
+    if any(s in n for s in ("cudnn", "fmha", "flash", "sdpa", "attention")):
+        return "attention"
+    if "ragged" in n or "grouped" in n:
+        return "grouped_gemm"
+    if any(s in n for s in ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul", "dot")):
+        return "gemm"
+    if "triton" in n or "pallas" in n or "rms" in n:
+        return "triton/pallas"
+    if any(s in n for s in ("memcpy", "memset", "copy")):
+        return "copy/memset"
+    if any(s in n for s in ("sort", "scatter", "gather", "argsort", "cub")):
+        return "sort/gather/scatter"
+    if "reduce" in n:
+        return "reduction"
+    if "fusion" in n or "loop" in n or "transpose" in n or "convert" in n:
+        return "elementwise fusion"
+    return "other"

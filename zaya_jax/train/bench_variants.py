@@ -1,0 +1,149 @@
+"""What the training benchmark measures: one `Variant` per compiled program, the issue's default set, opt-in
+exploration variants, and the memory searches (32k context, largest 4k batch) whose candidates are tried in order
+against XLA's memory analysis before anything runs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+KINDS = ("step", "fwd", "fwd_bwd", "opt", "accum")
+# how an accumulated step applies the optimizer: 'trainer' = the trainer's path (make_train_step with
+# build_optimizer(accumulation_steps=k), i.e. optax.MultiSteps, called once per microbatch); 'once' = the
+# micro-gradients summed in fp32 over a scan and the same optimizer applied once per k microbatches
+ACCUM_UPDATES = ("trainer", "once")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    batch: int
+    seq: int
+    attention_impl: str = "cudnn"
+    remat: str = "none"
+    moe_impl: str = "ragged"
+    norm_impl: str = "xla"
+    ce_chunk: int | None = 4096  # None: full [B, T, V] logits
+    optimizer: str = "zaya"  # 'zaya' (Muon + AdamW, build_optimizer) | 'adamw' (AdamW on every parameter, like HF)
+    kind: str = "step"  # see KINDS
+    accum: int = 1  # kind 'accum': microbatches (each batch x seq) in one compiled program
+    accum_update: str = "trainer"  # kind 'accum': see ACCUM_UPDATES
+    big: bool = False  # timed last, alone in memory (after the HF process has exited and other states are freed)
+    search: str = ""  # name of the memory search this variant is a candidate of ('' = none)
+    muon_gram_impl: str = "xla"
+    scan_layers: bool = True
+    max_steps: int | None = None  # cap on timed calls (long programs)
+    note: str = ""
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"variant {self.name}: kind {self.kind!r} not one of {KINDS}")
+        if self.accum_update not in ACCUM_UPDATES:
+            raise ValueError(f"variant {self.name}: accum_update {self.accum_update!r} not one of {ACCUM_UPDATES}")
+        if self.accum < 1 or (self.kind != "accum" and self.accum != 1):
+            raise ValueError(f"variant {self.name}: accum={self.accum} needs kind 'accum' and must be >= 1")
+
+    @property
+    def tokens(self) -> int:
+        """Tokens one call of the program processes."""
+        return self.accum * self.batch * self.seq
+
+    @property
+    def state_key(self) -> str:
+        """Variants with the same key share one train state (threaded through them by donation)."""
+        if self.kind == "accum" and self.accum_update == "trainer":
+            return f"{self.optimizer}_multisteps"  # MultiSteps adds an fp32 accumulator; its state is k-independent
+        return self.optimizer  # the Gram kernel choice does not change Muon's state structure
+
+
+@dataclasses.dataclass(frozen=True)
+class Search:
+    """Candidates tried in order by XLA's memory analysis (compiled, not run): 'first' keeps the first that fits
+    (e.g. 32k context: no remat, then remat); 'largest' walks upward and keeps the last that fits, stopping at the
+    first that does not (largest batch)."""
+    name: str
+    mode: str  # 'first' | 'largest'
+    candidates: tuple[Variant, ...]
+
+    def __post_init__(self):
+        if self.mode not in ("first", "largest"):
+            raise ValueError(f"search {self.name}: mode {self.mode!r} not 'first' or 'largest'")
+
+
+def context_name(seq: int) -> str:
+    return f"ctx{seq // 1024}k" if seq % 1024 == 0 else f"ctx{seq}"
+
+
+def default_variants(batch: int, seq: int, gpu: bool, long_seq: int, ladder: list[int], accums: list[int],
+                     ladder_remat: str = "none") -> tuple[list[Variant], list[Search]]:
+    """What the issue asks for, in priority order (compiled and timed in this order), and the memory searches."""
+    attn = "cudnn" if gpu else "xla"
+    main = Variant("main", batch, seq, attention_impl=attn, note="our full step: chunked CE, no remat, Muon + AdamW")
+    r = dataclasses.replace
+    vs = [
+        main,
+        r(main, name="fwd", kind="fwd", note="forward + loss only"),
+        r(main, name="fwd_bwd", kind="fwd_bwd", note="forward + backward (gradients out), no update"),
+        r(main, name="opt_zaya", kind="opt", note="Muon + AdamW update alone"),
+        r(main, name="main_adamw", optimizer="adamw", note="main with AdamW on every parameter (HF's optimizer)"),
+        r(main, name="opt_adamw", kind="opt", optimizer="adamw", note="AdamW update alone"),
+        r(main, name="moe_pallas", moe_impl="pallas", note="main with the Pallas grouped-GEMM experts"),
+    ]
+    for k in accums:
+        steps = max(2, 12 // k)  # a call is k microbatches long
+        vs.append(r(main, name=f"accum{k}", kind="accum", accum=k, max_steps=steps,
+                    note=f"{k} microbatches of {batch}x{seq} in one program, the trainer's accumulation path "
+                         "(make_train_step + build_optimizer(accumulation_steps=k))"))
+        vs.append(r(main, name=f"accum{k}_once", kind="accum", accum=k, accum_update="once", max_steps=steps,
+                    note=f"{k} microbatches of {batch}x{seq} in one program, gradients summed in fp32, one "
+                         "Muon + AdamW update"))
+    ctx = context_name(long_seq)
+    searches = [
+        Search(ctx, "first", tuple(
+            r(main, name=ctx + ("" if remat == "none" else f"_remat_{remat}"), batch=1, seq=long_seq, remat=remat,
+              big=True, search=ctx, max_steps=4, note=f"long context, batch 1, remat {remat}")
+            for remat in ("none", "save_dots", "full"))),
+        Search("largest_batch", "largest", tuple(
+            r(main, name=f"batch{b}", batch=b, remat=ladder_remat, big=True, search="largest_batch", max_steps=4,
+              note=f"main at batch {b}, remat {ladder_remat}") for b in ladder)),
+    ]
+    return vs, searches
+
+
+def extra_variants(batch: int, seq: int, gpu: bool) -> list[Variant]:
+    """Exploration, opt-in by name (--variants): measured before, not part of the issue's figures."""
+    attn = "cudnn" if gpu else "xla"
+    main = Variant("main", batch, seq, attention_impl=attn)
+    r = dataclasses.replace
+    return [
+        r(main, name="baseline", remat="full", ce_chunk=None, note="full logits, full remat"),
+        r(main, name="full_ce", ce_chunk=None, note="main without the chunked CE"),
+        r(main, name="remat_full", remat="full", note="main with full remat"),
+        r(main, name="remat_save_dots", remat="save_dots", note="main, remat saving dots"),
+        r(main, name="pallas_attn", attention_impl="pallas", note="main with the Pallas CCA attention"),
+        r(main, name="unrolled", scan_layers=False, note="main with the layers unrolled (no lax.scan)"),
+        r(main, name="moe_dense", moe_impl="dense", note="every expert on every token (reference dispatch)"),
+        r(main, name="opt_zaya_pallas_gram", kind="opt", muon_gram_impl="pallas",
+          note="Muon with the Pallas symmetric Gram kernel"),
+    ]
+
+
+def select(variants: list[Variant], searches: list[Search], extras: list[Variant], want: str, skip: str):
+    """--variants / --skip (comma lists of variant or search names). An unknown name is an error that lists the
+    known ones."""
+    known = {v.name for v in variants + extras} | {s.name for s in searches}
+    known |= {c.name for s in searches for c in s.candidates}
+    asked = [x for x in want.split(",") if x]
+    dropped = {x for x in skip.split(",") if x}
+    unknown = sorted(set(asked) - known) + sorted(dropped - known)
+    if unknown:
+        raise ValueError(f"unknown variant(s) {unknown}; known: {sorted(known)}")
+    if asked:
+        chosen = [v for v in variants + extras if v.name in asked]
+        searches = [s if s.name in asked else dataclasses.replace(
+            s, candidates=tuple(c for c in s.candidates if c.name in asked)) for s in searches]
+    else:
+        chosen = list(variants)
+    chosen = [v for v in chosen if v.name not in dropped]
+    searches = [dataclasses.replace(s, candidates=tuple(c for c in s.candidates if c.name not in dropped))
+                for s in searches if s.name not in dropped]
+    return chosen, [s for s in searches if s.candidates]
