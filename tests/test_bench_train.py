@@ -5,6 +5,8 @@ state rebuilt after a failed call consumed its donated buffers."""
 
 import json
 import sys
+import threading
+import time
 import types
 
 import jax
@@ -15,6 +17,7 @@ from zaya_jax.train.bench_hf_driver import HFProcess
 from zaya_jax.train.bench_runner import Runner
 from zaya_jax.train.bench_timing import Clock
 from zaya_jax.train.bench_variants import (
+    Search,
     Variant,
     default_variants,
     extra_variants,
@@ -60,24 +63,49 @@ class FakeCompiled:
                                      alias_size_in_bytes=0, temp_size_in_bytes=0)
 
 
-@pytest.mark.parametrize("mode,sizes,chosen,tried", [
+def fake_search(tmp_path, mode, sizes, gate=None):
+    """A search over fake candidates whose compiled programs need `sizes` GiB, against a 30 GiB limit; candidate
+    i waits for gate[i] (a threading.Event) before its compile returns, when given."""
+    runner = Runner(args_for(tmp_path, "--memory-limit-gib", "30"), {"log": []}, Clock(1e9), lambda m: None)
+    cands = [Variant(f"c{i}", 2, 32) for i in range(len(sizes))]
+    items = []
+    for i, (v, gib) in enumerate(zip(cands, sizes)):
+        def compile_(gib=gib, i=i):
+            if gate:
+                gate[i].wait(30)
+            return FakeCompiled(gib)
+        items.append({"variant": v, "lowered": types.SimpleNamespace(compile=compile_)})
+        runner.items[v.name] = items[-1]
+    runner.start_search(Search("s", mode, tuple(cands)), items, deadline=float("inf"))
+    return runner
+
+
+@pytest.mark.parametrize(("mode", "sizes", "chosen", "tried"), [
     ("largest", [10, 20, 40, 50], "c1", 3),  # walks up, stops at the first that does not fit
     ("first", [40, 45, 20, 10], "c2", 3),  # keeps the first that fits
 ])
 def test_memory_search_walk(tmp_path, mode, sizes, chosen, tried):
-    from zaya_jax.train.bench_variants import Search
-    runner = Runner(args_for(tmp_path, "--memory-limit-gib", "30"), {"log": []}, Clock(1e9), lambda m: None)
-    cands = [Variant(f"c{i}", 2, 32) for i in range(len(sizes))]
-    items = []
-    for v, gib in zip(cands, sizes):
-        item = {"variant": v, "lowered": types.SimpleNamespace(compile=lambda gib=gib: FakeCompiled(gib))}
-        runner.items[v.name] = item
-        items.append(item)
-    got = runner._search(Search("s", mode, tuple(cands)), items, deadline=float("inf"))
+    runner = fake_search(tmp_path, mode, sizes)
+    assert runner.search_choice("s", float("inf")).name == chosen
     rep = runner.report["searches"]["s"]
-    assert got == chosen == rep["chosen"] and len(rep["tried"]) == tried
+    assert rep["chosen"] == chosen and len(rep["tried"]) == tried
     assert [t["fits"] for t in rep["tried"]] == [g <= 30 * 0.96 for g in sizes[:tried]]
     assert "compiled" in runner.items[chosen]
+
+
+def test_memory_search_taken_at_its_deadline(tmp_path):
+    gate = [threading.Event() for _ in range(3)]
+    gate[0].set()
+    runner = fake_search(tmp_path, "largest", [10, 20, 25], gate)
+    deadline = time.time() + 30
+    while not runner.report["searches"]["s"]["chosen"] and time.time() < deadline:
+        time.sleep(0.01)
+    assert runner.search_choice("s", time.time() + 0.05).name == "c0"  # c1 still compiling: take c0
+    for g in gate:
+        g.set()
+    runner.searches["s"].result(30)
+    rep = runner.report["searches"]["s"]
+    assert rep["chosen"] == "c0" and rep["closed_at_deadline"]  # the walk stopped changing its choice
 
 
 def test_report_ratios_and_derived_hf_accumulation():

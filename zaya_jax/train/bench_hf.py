@@ -120,8 +120,8 @@ def main(argv=None):
         save()
     open(os.path.join(args.workdir, "hf_compiled"), "w").close()
 
-    # the JAX side's compile autotunes kernels on this GPU: time after it has finished
-    wait_until = args.wait_deadline or float("inf")
+    # the JAX side's compile autotunes kernels on this GPU: time after it has finished (run alone: no wait)
+    wait_until = args.wait_deadline or 0.0
     while not os.path.exists(os.path.join(args.workdir, "jax_compiled")) and time.time() < wait_until:
         time.sleep(0.5)
 
@@ -184,7 +184,8 @@ def time_runner(m, step, fwd_bwd, opt, timed, sync, args, deadline, cuda, torch)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     first = timed(lambda: step(m), 1)[0]
-    reps = max(2, min(args.steps, int((deadline - time.time()) / max(first, 1e-3) / 3)))
+    affordable = (deadline - time.time()) / max(first, 1e-3) / 3  # step, fwd+bwd and optimizer runs
+    reps = max(2, min(args.steps, int(affordable) if affordable < args.steps else args.steps))
     times = timed(lambda: step(m), reps)
     loss = float(step(m))
     fwd_bwd(m)  # creates .grad; the timed calls accumulate into it as microbatches of accumulation do

@@ -32,6 +32,7 @@ class Runner:
         self.pool = cf.ThreadPoolExecutor(max_workers=args.compile_threads)
         self.items: dict[str, dict] = {}  # variant name -> {variant, future, cfg, ...}
         self.searches: dict[str, cf.Future] = {}  # search name -> future of the chosen variant's name (or None)
+        self.searches_closed: set[str] = set()  # searches taken at their deadline (their choice is final)
         self.limit_gib = mem.memory_limit_gib(args.memory_limit_gib)
 
     # -- train states ------------------------------------------------------------------------------------------
@@ -92,17 +93,25 @@ class Runner:
             submit(v)
         for s in searches:
             lowered = [self._lower(c) for c in s.candidates if time.time() < deadline]
-            self.searches[s.name] = self.pool.submit(self._search, s, [x for x in lowered if x is not None], deadline)
+            self.start_search(s, [x for x in lowered if x is not None], deadline)
         for v in variants[1:]:
             submit(v)
 
+    def start_search(self, s: Search, items: list[dict], deadline: float):
+        """Walk the lowered candidates of `s` on a pool thread (candidates starting after `deadline` are skipped)."""
+        self.search_report[s.name] = {"mode": s.mode, "limit_gib": self.limit_gib, "chosen": None, "tried": []}
+        self.searches[s.name] = self.pool.submit(self._search, s, items, deadline)
+
     def _search(self, s: Search, items: list[dict], deadline: float) -> str | None:
         """Compile candidates in order and keep, by XLA's memory analysis against the limit, the first that fits
-        ('first') or the last of the upward walk ('largest'). Nothing here runs on the device."""
-        tried, chosen = [], None
+        ('first') or the last of the upward walk ('largest'). Nothing here runs on the device. The report entry is
+        kept current, so a search still walking at its deadline is taken with what it has chosen so far (and stops
+        changing its choice: see search_choice)."""
+        rep = self.search_report[s.name]
+        tried, chosen = rep["tried"], None
         for item in items:
             v = item["variant"]
-            if time.time() > deadline:
+            if time.time() > deadline or s.name in self.searches_closed:
                 tried.append({"variant": v.name, "skipped": "compile deadline"})
                 break
             try:
@@ -119,12 +128,14 @@ class Runner:
                 if s.mode == "largest":
                     break
                 continue
-            if chosen is not None:
-                self.items[chosen].pop("compiled", None)  # a larger one fits: free the smaller executable
-            chosen, item["compiled"] = v.name, compiled
+            with self.state_lock:
+                if s.name in self.searches_closed:  # taken at its deadline: the choice made then stands
+                    tried[-1]["skipped"] = "search closed at its deadline"
+                    break
+                item["compiled"] = compiled
+                chosen = rep["chosen"] = v.name
             if s.mode == "first":
                 break
-        self.search_report[s.name] = {"mode": s.mode, "limit_gib": self.limit_gib, "chosen": chosen, "tried": tried}
         return chosen
 
     def compiled(self, name: str, until: float, record_timeout: bool = True):
@@ -151,8 +162,10 @@ class Runner:
         try:
             chosen = self.searches[name].result(timeout=min(max(0.0, until - time.time()), 1e6))
         except cf.TimeoutError:
-            self.errors[name] = "search not finished in time"
-            return None
+            with self.state_lock:
+                self.searches_closed.add(name)
+                chosen = self.search_report[name]["chosen"]
+            self.search_report[name]["closed_at_deadline"] = True
         except Exception as e:  # noqa: BLE001
             self.errors[name] = f"search: {e!r}"[:2000]
             return None
