@@ -9,8 +9,10 @@ bench_report the JSON headline and table, bench_profile the optional kernel trac
   (fwd, fwd_bwd, opt_zaya), the same step with AdamW on every parameter (main_adamw, opt_adamw), the Pallas
   grouped-GEMM experts (moe_pallas; reported as an error if the model config does not accept them yet);
 - gradient accumulation over k microbatches of the same batch as ONE compiled program, through the trainer's path
-  (accum{k}: make_train_step + build_optimizer(accumulation_steps=k), i.e. optax.MultiSteps) and with the update
-  applied once (accum{k}_once);
+  (accum{k}: make_train_step + build_optimizer(accumulation_steps=k), i.e. optax.MultiSteps, which in optax 0.2.8
+  computes the inner Muon + AdamW update on every microbatch and masks it: its jaxpr has the update's
+  dot_generals in the always-taken branch of the per-microbatch cond) and with the update applied once per k
+  microbatches (accum{k}_once: what accumulation costs once the update is skipped in between);
 - 32k context (batch 1; first of no remat / save_dots / full remat that fits) and the largest batch at the bench
   sequence length (upward from 4), both chosen by XLA's memory analysis before anything runs;
 - in a separate process, transformers' ZayaForCausalLM (bf16, SDPA, grouped_mm experts, fused AdamW) eager and
@@ -58,7 +60,7 @@ def parse_args(argv=None):
     ap.add_argument("--skip", default="", help="comma list of variant or search names to leave out")
     ap.add_argument("--accum", default="4,16", help="microbatch counts of the accumulation variants")
     ap.add_argument("--long-seq", type=int, default=32768)
-    ap.add_argument("--batch-ladder", default="4,6,8,12,16,24,32", help="batches tried upward for the largest fit")
+    ap.add_argument("--batch-ladder", default="4,6,8,12,16", help="batches tried upward for the largest fit")
     ap.add_argument("--ladder-remat", default="none")
     ap.add_argument("--memory-limit-gib", type=float, default=None,
                     help="plan the searches against this limit instead of the allocator's (tests on the CPU)")

@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 
 GIB = 2 ** 30
-HEADROOM = 0.04  # of the limit, kept free for the batch, small outputs and allocator rounding
+HEADROOM = 0.04  # of the limit, kept free at run time for the batch, small outputs and allocator rounding
+PLAN_HEADROOM = 0.08  # planning also leaves room for the regions the allocator took while compiling (autotuning)
 
 
 def memory_of(compiled) -> dict:
@@ -59,7 +60,7 @@ def fits_alone(m: dict, limit_gib: float | None) -> bool:
     Unknown limit or no analysis: assume it fits (the CPU)."""
     if not limit_gib or "peak_estimate_gib" not in m:
         return True
-    return m["peak_estimate_gib"] <= limit_gib * (1 - HEADROOM)
+    return m["peak_estimate_gib"] <= limit_gib * (1 - PLAN_HEADROOM)
 
 
 def fits_now(m: dict, limit_override: float | None = None) -> tuple[bool, str]:

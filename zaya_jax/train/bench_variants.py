@@ -92,7 +92,8 @@ def default_variants(batch: int, seq: int, gpu: bool, long_seq: int, ladder: lis
         steps = max(2, 12 // k)  # a call is k microbatches long
         vs.append(r(main, name=f"accum{k}", kind="accum", accum=k, max_steps=steps,
                     note=f"{k} microbatches of {batch}x{seq} in one program, the trainer's accumulation path "
-                         "(make_train_step + build_optimizer(accumulation_steps=k))"))
+                         "(make_train_step + build_optimizer(accumulation_steps=k)); optax 0.2.8's MultiSteps runs "
+                         "the inner Muon + AdamW update on every microbatch and masks it until the k-th"))
         vs.append(r(main, name=f"accum{k}_once", kind="accum", accum=k, accum_update="once", max_steps=steps,
                     note=f"{k} microbatches of {batch}x{seq} in one program, gradients summed in fp32, one "
                          "Muon + AdamW update"))
