@@ -9,9 +9,14 @@ tile per loop step, where block_d = next power of two >= D and the edges are mas
     several times more bytes through L2 than the rows themselves move through HBM.
   * The next tile is loaded one step ahead (carried through the loop), so its memory traffic overlaps the current
     tile's reductions.
-  * The backward keeps per-column partial sums of the parameter gradients in registers and writes one [D] row of
-    partials per program; the wrapper adds those few rows (a tiny XLA reduction). No float atomics (not portable
-    to ROCm), no second pass over the activations.
+  * The backward keeps per-column partial sums of the parameter gradients in registers as [rows, block_d] tiles
+    (element-wise adds per step: summing over the tile's rows every step would be a cross-warp reduction through
+    shared memory on each step) and folds the rows once at the end, writing one [D] row of partials per program;
+    the wrapper adds those few rows (a tiny XLA reduction). No float atomics (not portable to ROCm), no second
+    pass over the activations.
+  * A launch with programs_per_cu = 0 gives every program a single tile (no loop, no prefetch): the hardware
+    scheduler then hides the latency with many resident programs. Meant for the forward; in a backward each program
+    writes its own [D] partials, so that costs (rows / tile rows) x D x 4 bytes per partial.
 """
 
 from __future__ import annotations
@@ -58,6 +63,9 @@ def _row_loop(n_iters: int, rows: int, n_rows: int, d: int, block_d: int, load, 
     """body(start, row_ok, mask, tiles, accs) -> accs over this program's row tiles; load(start, row_ok, mask)
     -> tiles runs one step ahead. `start` is relative to the program's block of rows."""
     first_row = pl.program_id(0) * (n_iters * rows)
+    if n_iters == 1:  # one tile per program: nothing to prefetch
+        row_ok, mask = _masks(first_row, rows, n_rows, block_d, d)
+        return body(0, row_ok, mask, load(0, row_ok, mask), accs)
 
     def load_at(start):
         row_ok, mask = _masks(first_row + start, rows, n_rows, block_d, d)
@@ -141,9 +149,14 @@ def _layer_fwd_kernel(x_ref, w_ref, bias_ref, y_ref, mean_ref, rstd_ref, *, d, e
 
 # --------------------------------------------------------------------------------------------- backward kernels
 def _store_partials(refs, accs, d):
+    """Folds each [rows, block_d] accumulator over its rows (once per program) and stores it."""
     col_ok = jnp.arange(refs[0].shape[-1]) < d
     for ref, acc in zip(refs, accs):
-        plgpu.store(ref, acc, mask=col_ok)
+        plgpu.store(ref, jnp.sum(acc, axis=0), mask=col_ok)
+
+
+def _zeros(rows, block_d, n):
+    return (jnp.zeros((rows, block_d), F32),) * n
 
 
 def _rms_bwd_kernel(x_ref, dy_ref, rstd_ref, w_ref, dx_ref, dw_ref, *, d, n_rows, rows, n_iters):
@@ -160,9 +173,9 @@ def _rms_bwd_kernel(x_ref, dy_ref, rstd_ref, w_ref, dx_ref, dw_ref, *, d, n_rows
         dy = dy.astype(F32)
         dn = dy * w
         _store_tile(dx_ref, start, rows, rstd * (dn - n * (_sum_rows(dn * n) / d)), mask)
-        return (accs[0] + jnp.sum(dy * n, axis=0),)
+        return (accs[0] + dy * n,)
 
-    accs = _row_loop(n_iters, rows, n_rows, d, block_d, load, body, (jnp.zeros((block_d,), F32),))
+    accs = _row_loop(n_iters, rows, n_rows, d, block_d, load, body, _zeros(rows, block_d, 1))
     _store_partials([dw_ref], accs, d)
 
 
@@ -188,11 +201,9 @@ def _merge_bwd_kernel(b_ref, r_ref, dh_ref, dy_ref, rstd_ref, hs_ref, rs_ref, c_
         g = dh.astype(F32) + rstd * (dn - n * (_sum_rows(dn * n) / d))  # total gradient of the merged residual
         _store_tile(db_ref, start, rows, g * hs, mask)
         _store_tile(dr_ref, start, rows, g * rs, mask)
-        return (acc_b + jnp.sum(g * branch, axis=0), acc_r + jnp.sum(g * resid, axis=0),
-                acc_g + jnp.sum(g, axis=0), acc_w + jnp.sum(dy * n, axis=0))
+        return acc_b + g * branch, acc_r + g * resid, acc_g + g, acc_w + dy * n
 
-    zeros = jnp.zeros((block_d,), F32)
-    accs = _row_loop(n_iters, rows, n_rows, d, block_d, load, body, (zeros,) * 4)
+    accs = _row_loop(n_iters, rows, n_rows, d, block_d, load, body, _zeros(rows, block_d, 4))
     _store_partials([p_b_ref, p_r_ref, p_g_ref, p_w_ref], accs, d)
 
 
@@ -212,10 +223,9 @@ def _layer_bwd_kernel(x_ref, dy_ref, mean_ref, rstd_ref, w_ref, dx_ref, dw_ref, 
         dn = dy * w
         dx = rstd * (dn - _sum_rows(dn) / d - xhat * (_sum_rows(dn * xhat) / d))
         _store_tile(dx_ref, start, rows, dx, mask)
-        return accs[0] + jnp.sum(dy * xhat, axis=0), accs[1] + jnp.sum(dy, axis=0)
+        return accs[0] + dy * xhat, accs[1] + dy
 
-    zeros = jnp.zeros((block_d,), F32)
-    accs = _row_loop(n_iters, rows, n_rows, d, block_d, load, body, (zeros, zeros))
+    accs = _row_loop(n_iters, rows, n_rows, d, block_d, load, body, _zeros(rows, block_d, 2))
     _store_partials([dw_ref, dbias_ref], accs, d)
 
 
@@ -226,7 +236,7 @@ def _rows_call(kernel, name, *, rows_in, stats_in, vecs_in, rows_out, n_stats_ou
     n_rows = rows_in[0].shape[0]
     block_d = _platform.next_pow2(d)
     rows = launch.rows
-    programs = min(programs or _platform.norm_programs(launch), pl.cdiv(n_rows, rows))
+    programs = min(programs or _platform.norm_programs(launch, n_rows), pl.cdiv(n_rows, rows))
     n_iters = pl.cdiv(n_rows, programs * rows)
     per_program = n_iters * rows
     programs = pl.cdiv(n_rows, per_program)

@@ -95,6 +95,28 @@ def test_backward_row_loop_and_partials():
     np.testing.assert_allclose(rstd, jax.lax.rsqrt(jnp.mean(x * x, -1) + EPS), rtol=1e-6)
 
 
+def test_one_program_per_tile_and_multi_row_merge_partials():
+    """programs_per_cu=0 (one tile per program, no loop) in forward and backward, and the merge backward's four
+    [rows, D] accumulators over a ragged multi-row loop, against the references."""
+    k, _, (hs, hb, rs, rb, w, _) = _inputs(6, 1, 72, jnp.float32)
+    branch, residual = jax.random.normal(k[7], (11, 72)), 4.0 * jax.random.normal(k[8], (11, 72))
+    dh, dy = jax.random.normal(k[9], residual.shape), jax.random.normal(k[0], residual.shape)
+    ref_out, pull = jax.vjp(lambda *a: ops.merge_rms_norm_reference(*a, EPS, jnp.float32), branch, residual, hs, hb,
+                            rs, rb, w)
+    ref_grads = pull((dh, dy))
+    # the kernel's bias gradients come out as sum(g * (branch + hb)), sum(g * (residual + rb)), sum(g): rebuild them
+    for fwd_launch, bwd_launch, bwd_programs in ((NormLaunch(2, 1, 0), NormLaunch(3, 1, 0), None),
+                                                 (NormLaunch(1, 1, 0), NormLaunch(2, 1, 2), 2)):
+        h, y, rstd = kern.merge_forward(branch, residual, hs, hb, rs, rb, w, eps=EPS, out_dtype=jnp.float32,
+                                        launch=fwd_launch)
+        d_b, d_r, g_b, g_r, g_sum, g_w = kern.merge_backward(branch, residual, dh, dy, rstd, hs, hb, rs, rb, w,
+                                                             launch=bwd_launch, programs=bwd_programs)
+        got_grads = (d_b, d_r, g_b, hs * g_sum, g_r, rs * g_sum, g_w)
+        _assert_close(((h, y), got_grads), (ref_out, ref_grads), jnp.float32, f"merge {fwd_launch} {bwd_launch}")
+    with pytest.raises(ValueError, match="programs_per_cu"):
+        kern.rms_forward(branch, w, eps=EPS, out_dtype=jnp.float32, launch=NormLaunch(1, 1, -1))
+
+
 def test_dispatch_through_ops():
     _, x, (w, b, *_) = _inputs(4, 6, 32, jnp.float32)
     _assert_close(ops.rms_norm(x, w, EPS, impl="pallas"), ops.rms_norm(x, w, EPS), jnp.float32, "ops.rms_norm")

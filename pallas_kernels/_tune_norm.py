@@ -1,0 +1,169 @@
+"""Norm launch study in one run: the fused residual merge + RMSNorm forward, backward and forward+backward, for
+the launch rows in the table now (`old`) and a set of candidates, next to copy bandwidth and XLA's fusion.
+
+    python -m pallas_kernels._tune_norm --out norm.json [--budget-s 80] [--quick]
+
+All timings are medians (pallas_kernels._bench.time_call). Bytes per element of the merge: forward 12 (read branch
+bf16 + residual fp32, write h fp32 + y bf16), backward 18 (read branch, residual, dh fp32, dy bf16; write d_branch
+bf16, d_residual fp32); the [rows] rstd and the per-program [D] weight-gradient partials are overhead, not counted
+(the partials are `programs x 4 x D x 4` bytes written and read back: reported per backward row as partial_mb).
+Copy bandwidth counts read + write. XLA's backward alone is not a separate program: it is reported as fwd+bwd - fwd.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated", category=DeprecationWarning)
+
+from pallas_kernels import _bench as bench
+from pallas_kernels import _platform
+from pallas_kernels._platform import NormLaunch
+
+ROWS, D = 16384, 2048
+PASS_BYTES = {"fwd": 12, "bwd": 18}
+N_PARTIALS = 4  # the merge backward's [D] partial sums per program
+
+# NormLaunch(rows per step, num_warps, programs per compute unit (0: one program per tile), num_stages) at D=2048.
+CANDIDATES = {
+    "fwd": [NormLaunch(1, 8, 0, 1), NormLaunch(1, 4, 0, 1), NormLaunch(2, 8, 0, 1), NormLaunch(2, 16, 0, 1),
+            NormLaunch(4, 16, 0, 1), NormLaunch(1, 8, 8, 1), NormLaunch(2, 16, 2, 1), NormLaunch(2, 8, 4, 1)],
+    "bwd": [NormLaunch(2, 16, 2, 1), NormLaunch(2, 8, 4, 1), NormLaunch(2, 16, 1, 1), NormLaunch(4, 16, 1, 1),
+            NormLaunch(2, 8, 2, 1), NormLaunch(1, 8, 2, 1), NormLaunch(1, 4, 8, 1), NormLaunch(1, 16, 2, 1),
+            NormLaunch(4, 16, 2, 1)],
+}
+QUICK_CANDIDATES = {"fwd": [NormLaunch(2, 1, 0, 1)], "bwd": [NormLaunch(2, 1, 2, 1)]}
+
+
+def _rate(ms: float, bytes_per_elem: int, rows: int, d: int, copy_tbps: float) -> dict:
+    tbps = rows * d * bytes_per_elem / (ms * 1e-3) / 1e12
+    return dict(ms=ms, tbps=tbps, vs_copy=tbps / copy_tbps)
+
+
+def _partial_mb(launch: NormLaunch, rows: int, d: int) -> float:
+    programs = min(_platform.norm_programs(launch, rows), -(-rows // launch.rows))
+    return programs * N_PARTIALS * d * 4 / 1e6
+
+
+def _try_ms(fn, *args) -> tuple[float | None, str | None]:
+    try:
+        return fn(*args) * 1e3, None
+    except Exception as e:  # a candidate that fails to compile is reported, not fatal
+        return None, f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def _tuning(fwd: NormLaunch, bwd: NormLaunch, block_d: int) -> dict:
+    return {"fwd": _platform.norm_tuning_of(fwd, block_d), "bwd": _platform.norm_tuning_of(bwd, block_d)}
+
+
+def _fwd_bwd_s(p, tuning: dict) -> float:
+    with _platform.norm_tuning_override(tuning["fwd"], tuning["bwd"]):
+        return bench.time_merge_fwd_bwd(p, "pallas")
+
+
+def _max_rel_err_vs_xla(p, tuning: dict) -> float:
+    """Largest relative error over all outputs and gradients of the merge's forward+backward against XLA."""
+    with _platform.norm_tuning_override(tuning["fwd"], tuning["bwd"]):
+        got = bench._norm_fns("merge_rms_norm", "pallas")[1](p)
+    want = bench._norm_fns("merge_rms_norm", "xla")[1](p)
+    errs = [float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b.astype(jnp.float32)))
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))]
+    return max(errs)
+
+
+def run(out_path: str, budget_s: float, quick: bool) -> dict:
+    t0 = time.perf_counter()
+    rows, d = (64, 256) if quick else (ROWS, D)
+    block_d = _platform.next_pow2(d)
+    candidates = QUICK_CANDIDATES if quick else CANDIDATES
+    old = {ph: _platform.norm_launch(block_d, ph) for ph in ("fwd", "bwd")}
+    report = dict(device=bench.device_summary(), rows=rows, d=d, pass_bytes_per_elem=PASS_BYTES,
+                  old_launch={ph: dataclasses.asdict(L) for ph, L in old.items()})
+
+    def save():
+        report["elapsed_s"] = time.perf_counter() - t0
+        with open(out_path, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+
+    copy = bench.copy_ceiling_tbps(2 ** 24 if quick else 2 ** 30)
+    report["copy_tbps"] = copy
+    print(f"copy {copy:.2f} TB/s (read + write)", flush=True)
+    p = bench.norm_problem(rows, d)
+
+    xla_fwd = bench.time_call(bench._norm_fns("merge_rms_norm", "xla")[0], p) * 1e3
+    xla_fb = bench.time_merge_fwd_bwd(p, "xla") * 1e3
+    report["xla"] = dict(fwd=_rate(xla_fwd, PASS_BYTES["fwd"], rows, d, copy),
+                         bwd_derived=_rate(xla_fb - xla_fwd, PASS_BYTES["bwd"], rows, d, copy),
+                         fwd_bwd=_rate(xla_fb, sum(PASS_BYTES.values()), rows, d, copy))
+    print(f"xla fwd {xla_fwd:.4f} ms, fwd+bwd {xla_fb:.4f} ms", flush=True)
+    save()
+
+    passes = {}
+    for phase, launches in candidates.items():
+        seen, out = set(), []
+        for launch in [old[phase], *launches]:
+            if launch in seen:
+                continue
+            seen.add(launch)
+            row = dict(dataclasses.asdict(launch), old=launch == old[phase])
+            if phase == "bwd":
+                row["partial_mb"] = _partial_mb(launch, rows, d)
+            if time.perf_counter() - t0 > budget_s and not row["old"]:
+                out.append(dict(row, skipped="budget"))
+                continue
+            ms, err = _try_ms(bench.time_norm_pass, p, phase, launch)
+            if err:
+                row["error"] = err
+                print(f"  {phase} {launch}: {err[:120]}", flush=True)
+            else:
+                row.update(_rate(ms, PASS_BYTES[phase], rows, d, copy))
+                print(f"  {phase} {launch}: {ms:.4f} ms ({row['vs_copy']:.3f} copy)", flush=True)
+            out.append(row)
+        passes[phase] = out
+        report["passes"] = passes
+        save()
+
+    best = {}
+    for phase, out in passes.items():
+        timed = [r for r in out if "ms" in r]
+        fastest = min(timed, key=lambda r: r["ms"])
+        best[phase] = NormLaunch(**{f.name: fastest[f.name] for f in dataclasses.fields(NormLaunch)})
+    report["best"] = {ph: dataclasses.asdict(L) for ph, L in best.items()}
+
+    fb_bytes = sum(PASS_BYTES.values())
+    end_to_end = {}
+    for name, (fwd, bwd) in (("old", (old["fwd"], old["bwd"])), ("new", (best["fwd"], best["bwd"]))):
+        tuning = _tuning(fwd, bwd, block_d)
+        ms, err = _try_ms(_fwd_bwd_s, p, tuning)
+        if err:
+            end_to_end[name] = dict(error=err)
+            continue
+        end_to_end[name] = dict(_rate(ms, fb_bytes, rows, d, copy), vs_xla=xla_fb / ms,
+                                max_rel_err_vs_xla=_max_rel_err_vs_xla(p, tuning),
+                                table_rows={ph: dataclasses.asdict(t) for ph, t in tuning.items()})
+        e = end_to_end[name]
+        print(f"merge fwd+bwd {name}: {ms:.4f} ms ({e['vs_copy']:.3f} copy, {e['vs_xla']:.2f}x XLA, "
+              f"rel err {e['max_rel_err_vs_xla']:.1e})", flush=True)
+    report["end_to_end"] = end_to_end
+    save()
+    return report
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="benchmarks/norm.json")
+    ap.add_argument("--budget-s", type=float, default=80.0, help="no new candidate starts after this many seconds")
+    ap.add_argument("--quick", action="store_true", help="tiny shape, one candidate per pass (CPU dry run)")
+    args = ap.parse_args()
+    run(args.out, args.budget_s, args.quick)
+
+
+if __name__ == "__main__":
+    main()
