@@ -1,4 +1,5 @@
-"""Flash-attention kernels for grouped-query attention (Pallas, Triton lowering): forward, dq, and dk/dv.
+"""Flash-attention kernels for grouped-query attention (Pallas, Triton lowering): forward, dq, dk/dv, and a fused
+backward (dk/dv with atomically added dq).
 
 Layouts: q/o/dq [B, Tp, H, dp], k/v/dk/dv [B, Sp, KV, dp], lse/delta [B, H, Tp] fp32, positions/segments
 [B, Tp] / [B, Sp] int32, the sliding window a [1] int32 array (or None; an array so that scanned layers may
@@ -239,10 +240,15 @@ def backward_dq(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, 
 
 # ------------------------------------------------------------------------------------------------------- dk, dv
 def _dkv_kernel(rng_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, *rest, c, scale,
-                block_q, groups, heads, has_seg, has_window):
+                block_q, groups, heads, has_seg, has_window, with_dq):
     """One key block of one KV head; loops over (query block, block of `heads` query heads) pairs of its group.
-    The logits are computed transposed ([block_k, query rows]) so dk and dv accumulate without transposes."""
-    qs_ref, ks_ref, window, (dk_ref, dv_ref) = _optional_refs(rest, has_seg, has_window, 2)
+    The logits are computed transposed ([block_k, query rows]) so dk and dv accumulate without transposes.
+    with_dq (the fused backward): each step also adds its unscaled dq contribution ds . k to the zero-initialised
+    fp32 dq with atomic adds (programs of other key blocks add to the same rows; the order is not fixed)."""
+    if with_dq:
+        qs_ref, ks_ref, window, (_, dk_ref, dv_ref, dq_ref) = _optional_refs(rest, has_seg, has_window, 4)
+    else:
+        qs_ref, ks_ref, window, (dk_ref, dv_ref) = _optional_refs(rest, has_seg, has_window, 2)
     k, v = k_ref[...], v_ref[...]
     kv_pos = kp_ref[...][:, None]
     kv_seg = ks_ref[...][:, None] if has_seg else None
@@ -270,8 +276,11 @@ def _dkv_kernel(rng_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref
                 p_t = jnp.exp2(qk_t * c - lse)
             dv = dv + plgpu.dot(p_t.astype(do.dtype), do)
             dp_t = plgpu.dot(v, do, trans_b=True)
-            ds_t = p_t * (dp_t - _stats_rows(delta_ref[hs, rows], heads)[None, :])
-            return dk + plgpu.dot(ds_t.astype(q.dtype), q), dv
+            ds_t = (p_t * (dp_t - _stats_rows(delta_ref[hs, rows], heads)[None, :])).astype(q.dtype)
+            if with_dq:
+                dq_part = plgpu.dot(ds_t, k, trans_a=True)  # [query rows, dp]
+                plgpu.atomic_add(dq_ref, (rows, hs, slice(None)), _unstack(dq_part, heads))
+            return dk + plgpu.dot(ds_t, q), dv
         return lax.fori_loop(0, (hi - lo) * head_blocks, step, carry)
 
     zeros = jnp.zeros(k.shape, F32)
@@ -297,6 +306,21 @@ def dkv_split(heads: int, kv_heads: int, batch: int, n_kv_blocks: int, requested
 
 
 def backward_dkv(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ranges, *, scale, blocks):
+    """-> (dk, dv) in k.dtype."""
+    return _dkv_call(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ranges, scale=scale,
+                     blocks=blocks, with_dq=False)
+
+
+def backward_fused(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ranges, *, scale, blocks):
+    """The whole backward in one kernel over key blocks (dk/dv tiling, `ranges` per key block):
+    -> (dk, dv) in k.dtype, dq [B, Tp, H, dp] fp32 WITHOUT the softmax scale (the caller scales and casts).
+    Five matmuls per tile instead of the split path's seven, for fp32 atomic adds of dq; the summation order of
+    dq varies from run to run (use the split path where bitwise reproducibility matters)."""
+    return _dkv_call(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ranges, scale=scale,
+                     blocks=blocks, with_dq=True)
+
+
+def _dkv_call(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ranges, *, scale, blocks, with_dq):
     B, Tp, H, dp = q.shape
     Sp, KV = k.shape[1], k.shape[2]
     bq, bk = blocks.dkv_q, blocks.dkv_k
@@ -318,17 +342,28 @@ def backward_dkv(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window,
                 rows_spec, rows_spec, q_vec, kv_vec] + opt_specs
     out_dtype = k.dtype if split == 1 else F32  # partial sums stay fp32 until they are added
     out_shape = jax.ShapeDtypeStruct((B, Sp, KV * split, dp), out_dtype)
-    dk, dv = pl.pallas_call(
+    args = [ranges, q, k, v, do, lse2, delta, q_pos, kv_pos, *opt_arrays]
+    out_specs, out_shapes, aliases = [out_spec, out_spec], [out_shape, out_shape], {}
+    if with_dq:  # dq accumulates in place in a zeroed fp32 buffer; a program adds to its own query heads' rows
+        aliases = {len(args): 2}
+        args.append(jnp.zeros((B, Tp, H, dp), F32))
+        in_specs.append(group_spec)
+        out_specs.append(group_spec)
+        out_shapes.append(jax.ShapeDtypeStruct((B, Tp, H, dp), F32))
+    outs = pl.pallas_call(
         functools.partial(_dkv_kernel, c=scale * LOG2E, scale=scale, block_q=bq, groups=groups, heads=heads,
-                          has_seg=has_seg, has_window=window is not None),
+                          has_seg=has_seg, has_window=window is not None, with_dq=with_dq),
         grid=(KV * split, B, nk),
         in_specs=in_specs,
-        out_specs=[out_spec, out_spec],
-        out_shape=[out_shape, out_shape],
+        out_specs=out_specs,
+        out_shape=out_shapes,
+        input_output_aliases=aliases,
         compiler_params=_platform.compiler_params(blocks.dkv_warps, blocks.dkv_stages),
-        interpret=_platform.interpret(), name="cca_attention_dkv",
-    )(ranges, q, k, v, do, lse2, delta, q_pos, kv_pos, *opt_arrays)
+        interpret=_platform.interpret(), name="cca_attention_bwd_fused" if with_dq else "cca_attention_dkv",
+    )(*args)
+    dk, dv = outs[0], outs[1]
     if split > 1:
         dk = dk.reshape(B, Sp, KV, split, dp).sum(axis=3)
         dv = dv.reshape(B, Sp, KV, split, dp).sum(axis=3)
-    return dk.astype(k.dtype), dv.astype(v.dtype)
+    dk, dv = dk.astype(k.dtype), dv.astype(v.dtype)
+    return (dk, dv, outs[2]) if with_dq else (dk, dv)

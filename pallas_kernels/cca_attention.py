@@ -96,9 +96,12 @@ def _flash_bwd(cfg: _Config, res, cotangents):
     delta = jnp.where(lse2 >= 0.5 * kern.DEAD_LSE, 0.0, delta)  # rows that see no key: nothing to propagate
     do = do.astype(q.dtype)
     b = cfg.blocks
+    dkv_ranges = _loop_ranges(cfg, *masks, b.dkv_q, b.dkv_k, per_kv_block=True)
+    if b.bwd == "atomic":
+        dk, dv, dq = kern.backward_fused(q, k, v, do, lse2, delta, *masks, dkv_ranges, scale=cfg.scale, blocks=b)
+        return (dq * cfg.scale).astype(q.dtype), dk, dv, None, None, None, None, None
     dq_ranges = _loop_ranges(cfg, *masks, b.dq_q, b.dq_k, per_kv_block=False)
     dq = kern.backward_dq(q, k, v, do, lse2, delta, *masks, dq_ranges, scale=cfg.scale, blocks=b)
-    dkv_ranges = _loop_ranges(cfg, *masks, b.dkv_q, b.dkv_k, per_kv_block=True)
     dk, dv = kern.backward_dkv(q, k, v, do, lse2, delta, *masks, dkv_ranges, scale=cfg.scale, blocks=b)
     return dq, dk, dv, None, None, None, None, None
 
@@ -122,7 +125,7 @@ def attention_with_lse(q, k, v, *, q_positions=None, kv_positions=None, kv_valid
         raise ValueError(f"attention: need q [B,T,H,d], k = v [B,S,KV,d] with H % KV == 0; got {q.shape}, "
                          f"{k.shape}, {v.shape}")
     scale = d ** -0.5 if scale is None else float(scale)
-    blocks = (blocks or _platform.attention_blocks(d)).clipped(T, S)
+    blocks = (blocks or _platform.attention_blocks(d, T)).clipped(T, S)
     Tp = _round_up(T, max(blocks.fwd_q, blocks.dq_q, blocks.dkv_q))
     Sp = _round_up(S, max(blocks.fwd_k, blocks.dq_k, blocks.dkv_k))
     dp = max(16, _platform.next_pow2(d))
