@@ -11,8 +11,8 @@ tile per loop step, where block_d = next power of two >= D and the edges are mas
     tile's reductions.
   * The backward keeps per-column partial sums of the parameter gradients in registers as [rows, block_d] tiles
     (element-wise adds per step: summing over the tile's rows every step would be a cross-warp reduction through
-    shared memory on each step) and folds the rows once at the end, writing one [D] row of partials per program;
-    the wrapper adds those few rows (a tiny XLA reduction). No float atomics (not portable to ROCm), no second
+    shared memory on each step) and folds the rows once at the end, writing one [n_partials, D] block per program
+    into a single partials array; the wrapper sums it over programs (one small XLA reduction). No float atomics (not portable to ROCm), no second
     pass over the activations.
   * A launch with programs_per_cu = 0 gives every program a single tile (no loop, no prefetch): the hardware
     scheduler then hides the latency with many resident programs. Meant for the forward; in a backward each program
@@ -148,18 +148,19 @@ def _layer_fwd_kernel(x_ref, w_ref, bias_ref, y_ref, mean_ref, rstd_ref, *, d, e
 
 
 # --------------------------------------------------------------------------------------------- backward kernels
-def _store_partials(refs, accs, d):
-    """Folds each [rows, block_d] accumulator over its rows (once per program) and stores it."""
-    col_ok = jnp.arange(refs[0].shape[-1]) < d
-    for ref, acc in zip(refs, accs):
-        plgpu.store(ref, jnp.sum(acc, axis=0), mask=col_ok)
+def _store_partials(ref, accs, d):
+    """Folds each [rows, block_d] accumulator over its rows (once per program) into row k of this program's
+    [n_partials, block_d] block: one partials array, so the wrapper's cross-program sum is one XLA reduction."""
+    col_ok = (jnp.arange(ref.shape[-1]) < d)[None, :]
+    for k, acc in enumerate(accs):
+        plgpu.store(ref.at[pl.ds(k, 1), :], jnp.sum(acc, axis=0, keepdims=True), mask=col_ok)
 
 
 def _zeros(rows, block_d, n):
     return (jnp.zeros((rows, block_d), F32),) * n
 
 
-def _rms_bwd_kernel(x_ref, dy_ref, rstd_ref, w_ref, dx_ref, dw_ref, *, d, n_rows, rows, n_iters):
+def _rms_bwd_kernel(x_ref, dy_ref, rstd_ref, w_ref, dx_ref, part_ref, *, d, n_rows, rows, n_iters):
     block_d = x_ref.shape[-1]
     w = _load_vec(w_ref, d)
 
@@ -176,11 +177,11 @@ def _rms_bwd_kernel(x_ref, dy_ref, rstd_ref, w_ref, dx_ref, dw_ref, *, d, n_rows
         return (accs[0] + dy * n,)
 
     accs = _row_loop(n_iters, rows, n_rows, d, block_d, load, body, _zeros(rows, block_d, 1))
-    _store_partials([dw_ref], accs, d)
+    _store_partials(part_ref, accs, d)
 
 
 def _merge_bwd_kernel(b_ref, r_ref, dh_ref, dy_ref, rstd_ref, hs_ref, rs_ref, c_ref, w_ref,
-                      db_ref, dr_ref, p_b_ref, p_r_ref, p_g_ref, p_w_ref, *, d, n_rows, rows, n_iters):
+                      db_ref, dr_ref, part_ref, *, d, n_rows, rows, n_iters):
     """Partial column sums of g * branch, g * residual, g and dy * n (the wrapper adds the bias terms: no select
     per element). Padded rows load rstd = 0 and zero tiles, so their g and n are 0."""
     block_d = b_ref.shape[-1]
@@ -204,10 +205,10 @@ def _merge_bwd_kernel(b_ref, r_ref, dh_ref, dy_ref, rstd_ref, hs_ref, rs_ref, c_
         return acc_b + g * branch, acc_r + g * resid, acc_g + g, acc_w + dy * n
 
     accs = _row_loop(n_iters, rows, n_rows, d, block_d, load, body, _zeros(rows, block_d, 4))
-    _store_partials([p_b_ref, p_r_ref, p_g_ref, p_w_ref], accs, d)
+    _store_partials(part_ref, accs, d)
 
 
-def _layer_bwd_kernel(x_ref, dy_ref, mean_ref, rstd_ref, w_ref, dx_ref, dw_ref, dbias_ref, *, d, n_rows, rows,
+def _layer_bwd_kernel(x_ref, dy_ref, mean_ref, rstd_ref, w_ref, dx_ref, part_ref, *, d, n_rows, rows,
                       n_iters):
     block_d = x_ref.shape[-1]
     w = _load_vec(w_ref, d)
@@ -226,7 +227,7 @@ def _layer_bwd_kernel(x_ref, dy_ref, mean_ref, rstd_ref, w_ref, dx_ref, dw_ref, 
         return accs[0] + dy * xhat, accs[1] + dy
 
     accs = _row_loop(n_iters, rows, n_rows, d, block_d, load, body, _zeros(rows, block_d, 2))
-    _store_partials([dw_ref, dbias_ref], accs, d)
+    _store_partials(part_ref, accs, d)
 
 
 # ------------------------------------------------------------------------------------------------------ launches
@@ -243,21 +244,24 @@ def _rows_call(kernel, name, *, rows_in, stats_in, vecs_in, rows_out, n_stats_ou
     row_spec = pl.BlockSpec((per_program, block_d), lambda i: (i, 0))
     stat_spec = pl.BlockSpec((per_program,), lambda i: (i,))
     vec_spec = pl.BlockSpec((block_d,), lambda i: (0,))
-    part_spec = pl.BlockSpec((None, block_d), lambda i: (i, 0))
+    if n_partials & (n_partials - 1):
+        raise ValueError(f"n_partials must be 0 or a power of two (a Triton block dimension), got {n_partials}")
+    part_spec = pl.BlockSpec((None, n_partials, block_d), lambda i: (i, 0, 0))
     out_shape = ([jax.ShapeDtypeStruct((n_rows, d), dt) for dt in rows_out]
                  + [jax.ShapeDtypeStruct((n_rows,), F32)] * n_stats_out
-                 + [jax.ShapeDtypeStruct((programs, d), F32)] * n_partials)
+                 + [jax.ShapeDtypeStruct((programs, n_partials, d), F32)] * bool(n_partials))
     outs = pl.pallas_call(
         functools.partial(kernel, d=d, n_rows=n_rows, rows=rows, n_iters=n_iters, **kernel_kw),
         grid=(programs,),
         in_specs=[row_spec] * len(rows_in) + [stat_spec] * len(stats_in) + [vec_spec] * len(vecs_in),
-        out_specs=[row_spec] * len(rows_out) + [stat_spec] * n_stats_out + [part_spec] * n_partials,
+        out_specs=[row_spec] * len(rows_out) + [stat_spec] * n_stats_out + [part_spec] * bool(n_partials),
         out_shape=out_shape,
         compiler_params=_platform.compiler_params(launch.num_warps, launch.num_stages),
         interpret=_platform.interpret(), name=name,
     )(*rows_in, *stats_in, *vecs_in)
     n_direct = len(rows_out) + n_stats_out
-    return (*outs[:n_direct], *(p.sum(axis=0) for p in outs[n_direct:]))
+    sums = outs[n_direct].sum(axis=0) if n_partials else ()
+    return (*outs[:n_direct], *sums)
 
 
 def _launch(launch, d, phase):
