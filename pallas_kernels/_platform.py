@@ -95,10 +95,11 @@ _ATTENTION = {
 }
 
 
-# Long query sequences (q_len >= the key): forward fields that replace the table's. On the H200 at B=1, T=32768
-# the forward with 128-row tiles and 8 warps took 4.96 ms against 5.50 ms for the 4k-tuned 64-row tiles.
+# Long query sequences (q_len >= the key): fields that replace the table's. On the H200 at B=1, T=32768
+# (benchmarks/tune_h200.json) the forward with 128-row tiles and 8 warps took 4.96 ms against 5.50 ms for the
+# 4k-tuned 64-row tiles, and dk/dv with 16 positions x 4 stacked heads 8.76 ms against 9.12 ms.
 _ATTENTION_LONG = {
-    "cuda": (16384, dict(fwd_q=128, fwd_warps=8, fwd_heads=1)),
+    "cuda": (16384, dict(fwd_q=128, fwd_warps=8, fwd_heads=1, dkv_q=16, dkv_heads=4)),
 }
 
 

@@ -77,13 +77,25 @@ def test_odd_head_dim_group_of_three_and_mqa():
     _check(q, k, v, do, jnp.float32, scale=0.3)
 
 
-def test_sliding_window_segments_and_padding():
+@pytest.mark.parametrize("bwd", ["split", "atomic"])
+def test_sliding_window_segments_and_padding(bwd):
     B, T = 2, 48
     q, k, v, do = _qkv(3, B, T, T, 4, 2, 16, jnp.float32)
     seg = jnp.array([[0] * 20 + [1] * 28, [0] * 7 + [1] * 30 + [2] * 11], jnp.int32)
     valid = jnp.ones((B, T), bool).at[1, 40:].set(False)  # right padding in the second row
-    _check(q, k, v, do, jnp.float32, sliding_window=9)
-    _check(q, k, v, do, jnp.float32, q_segment_ids=seg, kv_valid=valid)
+    blocks = dataclasses.replace(_platform.attention_blocks(16), bwd=bwd)
+    _check(q, k, v, do, jnp.float32, blocks=blocks, sliding_window=9)
+    _check(q, k, v, do, jnp.float32, blocks=blocks, q_segment_ids=seg, kv_valid=valid)
+
+
+def test_backward_choice_is_checked_and_long_sequences_get_their_row(monkeypatch):
+    with pytest.raises(ValueError, match="bwd='fused'"):
+        _platform.AttentionBlocks(bwd="fused")
+    monkeypatch.setattr(_platform, "vendor", lambda: "cuda")
+    threshold, fields = _platform._ATTENTION_LONG["cuda"]
+    short, long = _platform.attention_blocks(128, threshold - 1), _platform.attention_blocks(128, threshold)
+    assert short == _platform._ATTENTION["cuda"]
+    assert long == dataclasses.replace(short, **fields) and long != short
 
 
 def test_zigzag_positions_and_chunk_of_queries():
