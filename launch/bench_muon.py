@@ -24,6 +24,7 @@ import jax
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated", category=DeprecationWarning)
 
 from pallas_kernels import _bench_gram as bench  # noqa: E402 (after the warning filter)
+from pallas_kernels import _platform  # noqa: E402
 
 SHAPES = [(2048, 2048), (4096, 2048), (1024, 2048)]  # [out, in]: expert down, expert gate_up, q_proj
 STACKED = (16, 4096, 2048)  # one layer's expert gate_up leaf, as Muon sees it
@@ -84,6 +85,7 @@ def main():
 
     cases = [(args.batch, rows, cols) for rows, cols in args.shapes] + list(args.stacked)
     default = bench.default_tiling(jax.numpy.bfloat16)
+    tilings = bench.sweep_tilings(_platform.compute_units())
     best_for = {}  # iterated matrix shape -> tiling: a stacked leaf reuses the sweep of its matrix shape
     report["shapes"], report["summary"] = [], []
     for batch, rows, cols in cases:
@@ -93,11 +95,12 @@ def main():
         if args.no_sweep:
             best_for.setdefault(matrix, default)
         elif matrix not in best_for:
-            sweep = bench.sweep_step(x, **timing)
+            sweep = bench.sweep_step(x, tilings, **timing)
             report[f"sweep_{rows}x{cols}"] = sweep
             for r in sweep:
                 t = bench.GramTiling(**r["tiling"])
-                cfg = f"tile {t.tile:3d}x{t.cols:<3d} k {t.tile_k:3d} warps {t.num_warps} stages {t.num_stages}"
+                cfg = (f"tile {t.tile:3d}x{t.cols:<3d} k {t.tile_k:3d} warps {t.num_warps} stages {t.num_stages} "
+                       f"tail {t.tail_slots:3d}")
                 result = (f"failed: {r['error']}" if "error" in r else
                           f"step {r['step_us']:8.1f} us  {r['step_eff_tflops']:6.0f} TFLOP/s eff  "
                           f"rel err vs XLA {r['step_rel_err_vs_xla']:.1e}")
@@ -138,7 +141,7 @@ def main():
               f"{s['step_xla_us']:8.1f} {s['step_xla_unfolded_us']:8.1f} {s['step_pallas_us']:8.1f} "
               f"{s['step_speedup']:5.2f} {s['step_speedup_vs_unfolded']:6.2f} | {s['ns5_speedup']:5.2f} | "
               f"{s['step_xla_tflops']:8.0f} {s['step_pallas_eff_tflops']:7.0f} | {t.tile}x{t.cols} k{t.tile_k} "
-              f"w{t.num_warps} s{t.num_stages}")
+              f"w{t.num_warps} s{t.num_stages} tail{t.tail_slots}")
     log(f"goal {report['goal']}; wrote {args.out}")
 
 

@@ -37,6 +37,21 @@ TILINGS = [GramTiling(128, 32, 4, 4), GramTiling(128, 64, 4, 3), GramTiling(128,
            GramTiling(128, 32, 8, 4, tile_cols=256), GramTiling(64, 64, 4, 3, tile_cols=128)]
 
 
+def sweep_tilings(compute_units: int):
+    """TILINGS plus deeper pipelines of the wide tile and split-tail variants (GramTiling.tail_slots): the last
+    wave's tiles as half-height programs, with the programs resident at once taken as compute_units x (programs
+    per SM: 1 for the 128 x 256 tile's 8 warps and >= 147 KB of shared memory, 1 or 2 for the 128 x 128 tile)."""
+    wide_k64 = GramTiling(128, 64, 8, 3, tile_cols=256)
+    wide_k64_s4 = GramTiling(128, 64, 8, 4, tile_cols=256)  # 196 KB of shared memory: fits 227 KB
+    square_k64 = GramTiling(128, 64, 4, 3)
+    tails = [dataclasses.replace(wide_k64, tail_slots=compute_units),
+             dataclasses.replace(wide_k64_s4, tail_slots=compute_units),
+             dataclasses.replace(GramTiling(128, 32, 8, 4, tile_cols=256), tail_slots=compute_units),
+             dataclasses.replace(square_k64, tail_slots=2 * compute_units),
+             dataclasses.replace(GramTiling(128, 64, 4, 4), tail_slots=compute_units)]
+    return TILINGS + [wide_k64_s4, GramTiling(128, 64, 4, 4)] + tails
+
+
 def stacked_input(batch: int, rows: int, cols: int, seed: int = 0):
     """[batch, m, k] with m = min(rows, cols): the orientation Newton-Schulz iterates in."""
     m, k = min(rows, cols), max(rows, cols)
@@ -150,4 +165,5 @@ __all__ = [
     "gemm_ceiling_tflops",
     "stacked_input",
     "sweep_step",
+    "sweep_tilings",
 ]

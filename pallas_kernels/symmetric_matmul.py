@@ -15,6 +15,13 @@ then nothing is copied.
 
 Tiles may be wide (tile x tile_cols, tile_cols a multiple of tile): the wider tile does more multiply-adds per byte
 loaded, at the price of computing whole tile_cols x tile_cols diagonal blocks (see `upper_tile_coords`).
+
+Launch order and the last wave: one 1-D grid over the whole stack, matrix-major (a matrix's tiles run together, so
+its X stays in L2 while they do), column block by column block inside a matrix. All programs do the same work, so
+with S programs resident at once a stack of N tiles takes ceil(N / S) waves; the last one may be nearly empty
+(8 x 2048² in 128 x 256 tiles: 576 tiles on 132 SMs = 4 full waves + 48). With `tail_slots` = S set, the
+tiles of a last wave that would fill at most half of S are each split into two half-height programs, so the last
+wave holds twice the programs for half the time (4.5 waves instead of 5 in that example).
 """
 
 from __future__ import annotations
@@ -38,7 +45,8 @@ from pallas_kernels import _platform
 class GramTiling:
     """Output tile (tile x tile_cols; tile_cols 0 = square), contraction step tile_k, and Triton launch parameters.
     upper_only=False computes every tile (no mirroring): the same kernel as a plain GEMM, kept to measure what the
-    symmetry saves."""
+    symmetry saves. tail_slots: programs resident at once on the device (SMs x programs per SM; 0 = off): the
+    last wave's tiles are split in two half-height programs when that halves the last wave (module docstring)."""
 
     tile: int = 128
     tile_k: int = 64
@@ -46,6 +54,7 @@ class GramTiling:
     num_stages: int = 3
     upper_only: bool = True
     tile_cols: int = 0
+    tail_slots: int = 0
 
     def __post_init__(self):
         for name in ("tile", "tile_k"):
@@ -55,6 +64,8 @@ class GramTiling:
         if self.tile_cols and (self.tile_cols < self.tile or self.tile_cols & (self.tile_cols - 1)):
             raise ValueError(f"GramTiling.tile_cols must be 0 or a power of two >= tile ({self.tile}), "
                              f"got {self.tile_cols}")
+        if self.tail_slots < 0:
+            raise ValueError(f"GramTiling.tail_slots must be >= 0 (0 = no tail split), got {self.tail_slots}")
 
     @property
     def cols(self) -> int:
@@ -80,6 +91,16 @@ def num_upper_tiles(num_tile_cols: int, wide: int = 1) -> int:
     return wide * num_tile_cols * (num_tile_cols + 1) // 2
 
 
+def tail_split(tiles: int, slots: int, tile: int) -> int:
+    """How many of `tiles` equal tiles (the last ones) to split into two half-height programs, given `slots`
+    programs resident at once: the whole last partial wave when its halves still fit in one wave, else none
+    (splitting a fuller last wave would not shorten it). Halves keep >= 16 rows (Triton's dot)."""
+    if slots <= 0 or tile < 32:
+        return 0
+    last = tiles % slots
+    return last if 0 < 2 * last <= slots and tiles > last else 0
+
+
 def _triangle_col(u):
     """u -> c with c(c+1)/2 <= u < (c+1)(c+2)/2: c = floor((sqrt(8u + 1) - 1) / 2), corrected by one either way
     for float rounding."""
@@ -101,41 +122,69 @@ def upper_tile_coords(p, wide: int = 1):
 
 
 def _gram_kernel(x_ref, *refs, tile: int, tile_cols: int, tile_k: int, k_steps: int, num_col_blocks: int,
-                 upper_only: bool, precision, alpha: float, beta: float, diag: float):
+                 upper_only: bool, precision, alpha: float, beta: float, diag: float, per_matrix: int,
+                 whole_programs: int):
+    """One program = one output tile of one matrix (x_ref / o_ref hold that matrix, picked by the index maps);
+    programs from `whole_programs` on are the halves of the split tail tiles."""
     add_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
     wide = tile_cols // tile
     p = pl.program_id(0)
+    tile_id, half = _tile_of_program(p, whole_programs)
+    u = lax.rem(tile_id, per_matrix)  # tile within its matrix
     if upper_only:
-        row, col = upper_tile_coords(p, wide)
+        row, col = upper_tile_coords(u, wide)
     else:
-        row, col = lax.div(p, num_col_blocks), lax.rem(p, num_col_blocks)
-    row0, col0 = row * tile, col * tile_cols
-    rows = pl.ds(pl.multiple_of(row0, tile), tile)
+        row, col = lax.div(u, num_col_blocks), lax.rem(u, num_col_blocks)
+    col0 = col * tile_cols
     cols = pl.ds(pl.multiple_of(col0, tile_cols), tile_cols)
 
-    def accumulate(k, acc):
-        ks = pl.ds(pl.multiple_of(k * tile_k, tile_k), tile_k)
-        a = x_ref[rows, ks]
-        b = x_ref[cols, ks]
-        return acc + lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision,
-                                     preferred_element_type=jnp.float32)
+    def product(row0, height: int):
+        rows = pl.ds(pl.multiple_of(row0, height), height)
 
-    acc = lax.fori_loop(0, k_steps, accumulate, jnp.zeros((tile, tile_cols), jnp.float32))
-    # Epilogue in fp32 on the accumulator: alpha·X Xᵀ + beta·addend + diag·I.
-    if alpha != 1.0:
-        acc = alpha * acc
-    if add_ref is not None:  # the addend is symmetric, so its (col, row) tile is this one's ᵀ
-        acc = acc + beta * add_ref[rows, cols].astype(jnp.float32)
-    if diag != 0.0:  # 1-D iotas broadcast (Triton's make_range is 1-D)
-        on_diagonal = (row0 + jnp.arange(tile))[:, None] == (col0 + jnp.arange(tile_cols))[None, :]
-        acc = acc + jnp.where(on_diagonal, jnp.float32(diag), jnp.float32(0.0))
-    out = acc.astype(o_ref.dtype)
-    o_ref[rows, cols] = out  # written once; the mirror below comes from the same registers
+        def accumulate(k, acc):
+            ks = pl.ds(pl.multiple_of(k * tile_k, tile_k), tile_k)
+            a = x_ref[rows, ks]
+            b = x_ref[cols, ks]
+            return acc + lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision,
+                                         preferred_element_type=jnp.float32)
 
-    if upper_only:
-        @pl.when(row < wide * col)  # strictly above the diagonal block
-        def _mirror():
-            o_ref[cols, rows] = out.T
+        acc = lax.fori_loop(0, k_steps, accumulate, jnp.zeros((height, tile_cols), jnp.float32))
+        # Epilogue in fp32 on the accumulator: alpha·X Xᵀ + beta·addend + diag·I.
+        if alpha != 1.0:
+            acc = alpha * acc
+        if add_ref is not None:  # the addend is symmetric, so its (col, row) tile is this one's ᵀ
+            acc = acc + beta * add_ref[rows, cols].astype(jnp.float32)
+        if diag != 0.0:  # 1-D iotas broadcast (Triton's make_range is 1-D)
+            on_diagonal = (row0 + jnp.arange(height))[:, None] == (col0 + jnp.arange(tile_cols))[None, :]
+            acc = acc + jnp.where(on_diagonal, jnp.float32(diag), jnp.float32(0.0))
+        out = acc.astype(o_ref.dtype)
+        o_ref[rows, cols] = out  # written once; the mirror below comes from the same registers
+
+        if upper_only:
+            @pl.when(row < wide * col)  # strictly above the diagonal block
+            def _mirror():
+                o_ref[cols, rows] = out.T
+
+    if whole_programs is None:  # no split tail: every program computes a whole tile
+        product(row * tile, tile)
+        return
+
+    @pl.when(p < whole_programs)
+    def _whole():
+        product(row * tile, tile)
+
+    @pl.when(p >= whole_programs)
+    def _half():
+        product(row * tile + half * (tile // 2), tile // 2)
+
+
+def _tile_of_program(p, whole_programs):
+    """Program p -> (tile index over the stack, which half): programs before `whole_programs` compute tile p whole,
+    the ones after compute half 0 or 1 of tile whole_programs + (p - whole_programs) // 2."""
+    if whole_programs is None:
+        return p, 0
+    extra = jnp.maximum(p - whole_programs, 0)
+    return jnp.where(p < whole_programs, p, whole_programs + lax.div(extra, 2)), lax.rem(extra, 2)
 
 
 def _pad_to(x, axis: int, multiple: int):
@@ -178,14 +227,22 @@ def _gram_local(x, addend, config):
     _, mp, kp = xb.shape
     num_col_blocks = mp // tile_cols
     precision = lax.Precision.HIGHEST if jnp.dtype(x.dtype) == jnp.float32 else None
+    wide = tile_cols // tile
+    per_matrix = (num_upper_tiles(num_col_blocks, wide) if tiling.upper_only
+                  else (mp // tile) * num_col_blocks)
+    tiles = per_matrix * xb.shape[0]
+    split = tail_split(tiles, tiling.tail_slots, tile)
+    whole_programs = tiles - split if split else None
     kernel = functools.partial(_gram_kernel, tile=tile, tile_cols=tile_cols, tile_k=tile_k, k_steps=kp // tile_k,
                                num_col_blocks=num_col_blocks, upper_only=tiling.upper_only, precision=precision,
-                               alpha=float(alpha), beta=float(beta), diag=float(diag))
-    wide = tile_cols // tile
-    programs = (num_upper_tiles(num_col_blocks, wide) if tiling.upper_only
-                else (mp // tile) * num_col_blocks)
-    square = pl.BlockSpec((None, mp, mp), lambda p, b: (b, 0, 0))
-    operands, in_specs = [xb], [pl.BlockSpec((None, mp, kp), lambda p, b: (b, 0, 0))]
+                               alpha=float(alpha), beta=float(beta), diag=float(diag), per_matrix=per_matrix,
+                               whole_programs=whole_programs)
+
+    def matrix_of(p):  # the stack index a program works on: its matrix's X, addend and output
+        return (lax.div(_tile_of_program(p, whole_programs)[0], per_matrix), 0, 0)
+
+    square = pl.BlockSpec((None, mp, mp), matrix_of)
+    operands, in_specs = [xb], [pl.BlockSpec((None, mp, kp), matrix_of)]
     if addend is not None:
         operands.append(_pad_to(_pad_to(addend.reshape((xb.shape[0], m, m)), 1, tile_cols), 2, tile_cols))
         in_specs.append(square)
@@ -194,7 +251,7 @@ def _gram_local(x, addend, config):
         # Inside shard_map (ZeRO-1's Newton-Schulz placement) the output varies over the mesh axes x varies over.
         out_shape=jax.ShapeDtypeStruct((xb.shape[0], mp, mp), x.dtype,
                                        manual_axis_type=getattr(jax.typeof(xb), "mat", None)),
-        grid=(programs, xb.shape[0]),
+        grid=(tiles + split,),  # matrix-major: a matrix's tiles run together (its X stays in L2)
         in_specs=in_specs,
         out_specs=square,
         compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
@@ -260,5 +317,6 @@ __all__ = [
     "num_upper_tiles",
     "symmetric_gram",
     "symmetric_square",
+    "tail_split",
     "upper_tile_coords",
 ]

@@ -10,13 +10,15 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from pallas_kernels.symmetric_matmul import (GramTiling, default_tiling, num_upper_tiles, symmetric_gram,
-                                             symmetric_square, upper_tile_coords)
+                                             symmetric_square, tail_split, upper_tile_coords)
 from zaya_jax.ops.newton_schulz import (QUINTIC_COEFFS, gram_reference, newton_schulz, newton_schulz_step,
                                         quintic_combination, quintic_matrix)
 from zaya_jax.optim.muon import muon
 
 SMALL = GramTiling(tile=32, tile_k=16, num_warps=4, num_stages=1)  # several tiles on CPU-sized inputs
 WIDE = GramTiling(tile=16, tile_k=16, num_warps=4, num_stages=1, tile_cols=32)  # 16 x 32 tiles
+# 32 x 64 tiles with 8 programs resident: a last partial wave of <= 4 tiles runs as half-height programs.
+TAIL = GramTiling(tile=32, tile_k=16, num_warps=4, num_stages=1, tile_cols=64, tail_slots=8)
 
 
 def fresh(shape, dtype=jnp.float32):
@@ -53,7 +55,8 @@ def test_wide_tile_enumeration_covers_the_upper_band_once():
 
 
 def test_tiling_is_validated():
-    for bad in (dict(tile=48), dict(tile_k=8), dict(tile=64, tile_cols=32), dict(tile_cols=96)):
+    for bad in (dict(tile=48), dict(tile_k=8), dict(tile=64, tile_cols=32), dict(tile_cols=96),
+                dict(tail_slots=-1)):
         with pytest.raises(ValueError, match="GramTiling"):
             GramTiling(**bad)
 
@@ -111,10 +114,35 @@ def test_only_upper_triangle_programs_are_launched():
                     yield from grids(inner)
 
     # 100 rows pad to 4 tiles of 32: 10 upper-triangle tiles (of 16) per matrix, 2 matrices.
-    assert list(grids(jaxpr.jaxpr)) == [(10, 2)]
+    assert list(grids(jaxpr.jaxpr)) == [(20,)]
     # Wide 16 x 32 tiles: 100 rows pad to 4 column blocks of 32, holding 2, 4, 6, 8 row tiles of 16.
     jaxpr = jax.make_jaxpr(lambda x: symmetric_gram(x, tiling=WIDE, interpret=True))(x)
-    assert list(grids(jaxpr.jaxpr)) == [(20, 2)]
+    assert list(grids(jaxpr.jaxpr)) == [(40,)]
+    # 32 x 64 tiles: 100 rows pad to 2 column blocks holding 2 and 4 row tiles (6 per matrix, 12 in all); 8
+    # resident programs leave 4 for the last wave, split in halves: 8 whole + 8 halves.
+    jaxpr = jax.make_jaxpr(lambda x: symmetric_gram(x, tiling=TAIL, interpret=True))(x)
+    assert list(grids(jaxpr.jaxpr)) == [(16,)]
+
+
+def test_tail_split_only_shortens_a_last_wave_of_at_most_half():
+    assert tail_split(576, 132, 128) == 48  # 8 x 2048² in 128 x 256 tiles on an H200: 4 waves + 48
+    assert tail_split(1152, 132, 128) == 0  # 8 waves + 96: halves (192) would not fit one wave
+    assert tail_split(528, 132, 128) == 0  # whole waves
+    assert tail_split(40, 132, 128) == 0  # a single partial wave: nothing to gain
+    assert tail_split(576, 0, 128) == 0 and tail_split(576, 132, 16) == 0  # off; halves below Triton's 16 rows
+
+
+def test_split_tail_equals_x_xt_and_the_fused_epilogue():
+    """Half-height tail programs (the last matrix's last 4 tiles: 2 mirrored, 2 of the diagonal block) give the
+    same Gram matrix and the same a I + b A + c A·A (2 x 70 rows: 12 tiles, 8 programs resident)."""
+    x, seed = fresh((2, 70, 50))
+    got = symmetric_gram(x, tiling=TAIL, interpret=True)
+    assert rel(got, gram_float64(x)) <= 1e-6, f"seed {seed}"
+    y, seed = fresh((2, 70, 70))
+    a = y + jnp.swapaxes(y, -1, -2)
+    fused = symmetric_gram(a, a, alpha=2.0315, beta=-4.775, diag=3.4445, tiling=TAIL, interpret=True)
+    a64 = np.asarray(a, np.float64)
+    assert rel(fused, 2.0315 * a64 @ a64 - 4.775 * a64 + 3.4445 * np.eye(70)) <= 1e-6, f"seed {seed}"
 
 
 def test_symmetric_square_equals_a_times_a():
@@ -264,3 +292,18 @@ def test_compiled_newton_schulz_inside_shard_map_on_gpu():
     got = ns(jax.device_put(x, NamedSharding(mesh, P("data"))))
     want = jax.jit(lambda x: newton_schulz(x, dtype=jnp.float32))(x)
     assert rel(got, np.asarray(want, np.float64)) <= 2e-2, f"seed {seed}"
+
+
+@pytest.mark.gpu
+def test_compiled_split_tail_on_gpu():
+    """The H200 case of the split tail: 8 x 2048² in 128 x 256 tiles = 576 tiles on 132 SMs, the last 48 as 96
+    half-height programs (a second, smaller MMA loop in the same Triton kernel); Gram and fused epilogue."""
+    tiling = GramTiling(128, 64, 8, 3, tile_cols=256, tail_slots=132)
+    x, seed = fresh((8, 2048, 2048), jnp.bfloat16)
+    x = x / 64
+    got = symmetric_gram(x, tiling=tiling)
+    assert rel(got, gram_float64(x)) <= 1e-2, f"seed {seed}"
+    a = gram_reference(x)
+    fused = quintic_matrix(a, QUINTIC_COEFFS, impl="pallas", tiling=tiling)
+    want = quintic_matrix(a.astype(jnp.float32), QUINTIC_COEFFS)
+    assert rel(fused, np.asarray(want, np.float64)) <= 1e-2, f"seed {seed}"
