@@ -161,8 +161,11 @@ def run(args) -> dict:
     # phase 2: HF times and exits; then the GPU is ours
     hf.jax_compiled()
     if not args.no_hf:
-        log(f"HF: {hf.wait_exit(clock.at(0.67) - time.time())}")
+        ended = hf.wait_exit(clock.at(0.67) - time.time())
+        log(f"HF: {ended}")
         report["hf"] = hf.results()
+        if ended != "exited 0":
+            report["errors"]["hf"] = f"HF process {ended}; see hf.log_tail"
         save()
     try:
         reserved = bench_memory.reserve_one_region()
