@@ -1,24 +1,23 @@
 """The supervisor over a group of processes (one jax.distributed job): 2 processes x 2 emulated CPU devices, one
-of them killed with SIGKILL mid-run; the whole group restarts from the latest checkpoint and ends at the final loss
-of an uninterrupted run on the same 4 devices."""
+of them killed with SIGKILL mid-run; the whole group restarts from the latest checkpoint and ends at the losses of
+an uninterrupted run on the same 4 devices in one process. And that run's mid-run checkpoint, saved on 4 devices,
+resumed on 2 with the same losses. Runs through zaya_jax/systems/scaling_runs.py, the code of `launch.scaling`'s
+restore and supervisor parts (launch.train, and launch.train under launch.supervise --nproc 2)."""
 
 import os
-import subprocess
-import sys
-import threading
 
 import jax
-import numpy as np
 import pytest
 
-from tests.configs.fault_tiny import get_config
-from zaya_jax.fault.drill import kill_rank_at, read_events, read_losses
 from zaya_jax.fault.group import GroupError, GroupSpec, rank_env
-from zaya_jax.train.loop import run
+from zaya_jax.systems.scaling_runs import (
+    RunPlan,
+    reference,
+    restore_on_fewer,
+    supervised_kill,
+)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG = os.path.join(ROOT, "tests", "configs", "fault_tiny.py")
-STEPS = 10
+PLAN = RunPlan(steps=6, checkpoint_every=2, rows=8, seq_len=32, kill_at=3, rtol=1e-4)
 
 
 def test_rank_environment():
@@ -35,34 +34,26 @@ def test_rank_environment():
         GroupSpec(nproc=0)
 
 
-def test_killed_rank_restarts_the_group_and_ends_like_an_uninterrupted_run(tmp_path):
-    config = get_config()
-    config.mesh.num_devices = 4  # the 2 x 2 devices of the group, in one process
-    clean = run(config, str(tmp_path / "clean"), log=lambda *_: None)["loss"]
+def test_killed_rank_restarts_the_group_and_a_checkpoint_resumes_on_fewer_devices(tmp_path, monkeypatch):
+    # the trainers share the tests' compilation cache and compile without LLVM optimisation (a few steps each)
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", jax.config.jax_compilation_cache_dir)
+    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0")
+    ref_dir = str(tmp_path / "reference")
+    ref = reference(ref_dir, PLAN, devices=4, timeout=300)
+    assert ref["exit"] == 0, ref.get("error")
+    fewer = restore_on_fewer(ref_dir, str(tmp_path / "on2"), PLAN, devices=4, fewer=2, timeout=300)
+    assert fewer["exit"] == 0, fewer.get("error")
+    assert fewer["resumed_from_step"] == 2 and fewer["steps_compared"] == 4 and fewer["losses_match"], fewer
 
-    wd = str(tmp_path / "group")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
-               JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir,
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
-    cmd = [sys.executable, "-m", "launch.supervise", "--nproc", "2", "--devices-per-process", "2", "--platform",
-           "cpu", "--backoff", "0.1", "--peer-grace", "2", "--startup", "150", "--", sys.executable, "-m", "launch.train",
-           f"--config={CONFIG}", f"--workdir={wd}", "--config.mesh.num_devices=0"]
-    kill = {}
-    killer = threading.Thread(target=lambda: kill.update(kill_rank_at(wd, rank=1, step=3, timeout_s=240)))
-    killer.start()
-    log = tmp_path / "supervise.log"
-    with open(log, "w") as out:
-        code = subprocess.run(cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, timeout=400).returncode
-    killer.join()
-    assert code == 0, log.read_text()[-3000:]
-    assert "error" not in kill, kill
-
-    ev = read_events(wd)
-    starts = [e for e in ev if e["event"] == "start"]
-    assert [len(e["pids"]) for e in starts] == [2, 2] and starts[0]["pids"][1] == kill["killed_pid"]
-    restarts = [e for e in ev if e["event"] == "restart"]
-    assert [(r["how"], r["rank"]) for r in restarts] == [("signal 9", 1)]
-    assert ev[-1]["event"] == "done" and ev[-1]["step"] == STEPS
-    losses = read_losses(wd)
-    assert sorted(losses) == list(range(1, STEPS + 1))
-    np.testing.assert_allclose(losses[STEPS], clean, rtol=1e-5)
+    out = supervised_kill(ref_dir, str(tmp_path / "group"), PLAN, nproc=2, timeout=300, platform="cpu",
+                          devices_per_process=2)
+    assert out["exit"] == 0, out.get("error")
+    assert out["kill"]["rank"] == 1 and out["kill"]["at_step"] >= PLAN.kill_at, out["kill"]
+    events = [(e["event"], e.get("how"), e.get("rank")) for e in out["timeline"]]
+    assert events == [("start", None, None), ("restart", "signal 9", 1), ("start", None, None), ("done", None, None)]
+    starts = [e for e in out["timeline"] if e["event"] == "start"]
+    assert len(starts[0]["pids"]) == 2 and starts[0]["pids"][1] == out["kill"]["killed_pid"]
+    assert starts[1]["from_step"] >= PLAN.kill_at  # the restarted group resumed from a checkpoint, not from 0
+    assert out["missing_steps"] == [] and out["steps_compared"] == PLAN.steps
+    assert out["resumed_and_matched"], (out["max_rel_diff"], out["final_loss"], out["reference_final_loss"])

@@ -30,7 +30,14 @@ import statistics
 import subprocess
 import time
 
-from zaya_jax.fault.control import CONTROL, EVENTS, HEARTBEAT, read_control, read_json, write_json_atomic
+from zaya_jax.fault.control import (
+    CONTROL,
+    EVENTS,
+    HEARTBEAT,
+    read_control,
+    read_json,
+    write_json_atomic,
+)
 from zaya_jax.fault.group import GroupSpec, ProcessGroup
 
 EXIT_NONFINITE = 65  # zaya_jax.train.loop.EXIT_NONFINITE (not imported: the supervisor must not load jax)
