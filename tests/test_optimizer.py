@@ -165,3 +165,30 @@ def test_learning_rates_follow_the_schedule():
 def test_rejects_a_vector_that_matches_a_muon_rule():
     with pytest.raises(ValueError, match="Muon needs matrices"):
         build_optimizer(OptimizerConfig(), {"experts": {"down_proj": jnp.zeros((8,))}}, log=None)
+
+
+def test_accumulation_matches_multisteps_and_runs_the_inner_update_once_per_k():
+    """every_k equals optax.MultiSteps (state and updates, with a k ramp), but the inner update only runs on the
+    k-th microbatch: a counting callback inside the inner transform fires once per optimizer step."""
+    from zaya_jax.optim.accumulate import every_k
+
+    calls = []
+
+    def counting(tx):
+        def update(u, s, p=None):
+            jax.debug.callback(lambda: calls.append(1))
+            return tx.update(u, s, p)
+        return optax.GradientTransformation(tx.init, update)
+
+    params = {"w": random_like(jnp.zeros((8, 6)), 1), "b": jnp.ones((6,))}
+    schedule = lambda step: jnp.where(step < 1, 2, 3)  # noqa: E731  (a batch ramp: k=2, then 3)
+    ours, ref = every_k(counting(optax.adamw(0.1)), schedule), optax.MultiSteps(optax.adamw(0.1), schedule)
+    s_ours, s_ref = ours.init(params), ref.init(params)
+    for i in range(8):  # k: 2, 3, 3 -> updates at microbatches 1, 4, 7
+        g = random_like(params, 20 + i)
+        u_ours, s_ours = jax.jit(ours.update)(g, s_ours, params)
+        u_ref, s_ref = ref.update(g, s_ref, params)
+        for a, b in zip(jax.tree.leaves((u_ours, s_ours)), jax.tree.leaves((u_ref, s_ref))):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    jax.effects_barrier()
+    assert len(calls) == 3

@@ -3,7 +3,8 @@ schedule for both (Moonlight shape scale), global-norm gradient clipping, gradie
 table of which parameter goes where with its optimizer-state bytes.
 
     clip_by_global_norm -> partition{muon: inject_hyperparams(muon), adamw: inject_hyperparams(adamw)}
-    wrapped in optax.MultiSteps when accumulation_steps > 1 (fp32 accumulator, mean of the micro-gradients).
+    wrapped in accumulate.every_k when accumulation_steps > 1 (fp32 accumulator, mean of the micro-gradients, 
+    one inner update per k microbatches).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from zaya_jax.optim import partition
+from zaya_jax.optim import accumulate, partition
 from zaya_jax.optim.muon import muon
 from zaya_jax.optim.schedules import warmup_cosine, warmup_stable_decay
 
@@ -90,7 +91,7 @@ def build_optimizer(cfg: OptimizerConfig, params=None, *, log: Callable[[str], N
     tx = parts if cfg.clip_norm is None else optax.chain(optax.clip_by_global_norm(cfg.clip_norm), parts)
     if accumulation_schedule is not None or cfg.accumulation_steps > 1:
         every_k = accumulation_schedule or cfg.accumulation_steps
-        tx = optax.MultiSteps(tx, every_k_schedule=every_k).gradient_transformation()
+        tx = accumulate.every_k(tx, every_k)
     if params is not None and log is not None:
         log(partition_table(params, cfg, tx))
     return tx
