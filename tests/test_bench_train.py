@@ -34,7 +34,7 @@ def args_for(tmp_path, *extra):
 def test_selection_and_validation():
     vs, searches = default_variants(2, 4096, gpu=True, long_seq=32768, ladder=[4, 6, 8], accums=[4, 16])
     names = [v.name for v in vs]
-    for want in ("main", "fwd", "fwd_bwd", "opt_zaya", "main_adamw", "opt_adamw", "moe_pallas", "accum4",
+    for want in ("main", "fwd", "fwd_bwd", "opt_zaya", "main_adamw", "opt_adamw", "moe_ragged", "accum4",
                  "accum16", "accum16_once"):
         assert want in names
     assert {s.name: [c.name for c in s.candidates] for s in searches} == {

@@ -6,13 +6,12 @@ One invocation measures (modules: bench_variants what, bench_programs the compil
 compile/time/memory checks, bench_memory, bench_timing, bench_hf_driver + bench_hf the PyTorch side,
 bench_report the JSON headline and table, bench_profile the optional kernel trace):
 - our jitted train step `main` (forward, backward, Muon + AdamW update, balancing; donated state) and its parts
-  (fwd, fwd_bwd, opt_zaya), the same step with AdamW on every parameter (main_adamw, opt_adamw), the Pallas
-  grouped-GEMM experts (moe_pallas; reported as an error if the model config does not accept them yet);
+  (fwd, fwd_bwd, opt_zaya), the same step with AdamW on every parameter (main_adamw, opt_adamw), and with
+  lax.ragged_dot experts instead of the grouped-GEMM kernel (moe_ragged). On GPU `main` uses the Pallas
+  grouped-GEMM experts and the symmetric Gram kernel in Muon;
 - gradient accumulation over k microbatches of the same batch as ONE compiled program, through the trainer's path
-  (accum{k}: make_train_step + build_optimizer(accumulation_steps=k), i.e. optax.MultiSteps, which in optax 0.2.8
-  computes the inner Muon + AdamW update on every microbatch and masks it: its jaxpr has the update's
-  dot_generals in the always-taken branch of the per-microbatch cond) and with the update applied once per k
-  microbatches (accum{k}_once: what accumulation costs once the update is skipped in between);
+  (accum{k}: make_train_step + build_optimizer(accumulation_steps=k), the update on the k-th microbatch only) and
+  with the micro-gradients summed in a scan and one update (accum{k}_once: the two should cost the same);
 - 32k context (batch 1; first of no remat / save_dots / full remat that fits) and the largest batch at the bench
   sequence length (upward from 4), both chosen by XLA's memory analysis before anything runs;
 - in a separate process, transformers' ZayaForCausalLM (bf16, SDPA, grouped_mm experts, fused AdamW) eager and

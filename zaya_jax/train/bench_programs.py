@@ -64,7 +64,7 @@ def make_state_creator(cfg, tx, seed: int = 0):
 def accumulate_then_update(graphdef, tx, balancer: BalancerConfig, ce_chunk: int | None):
     """k microbatches (batches stacked on axis 0) as one program: forward + backward per microbatch, gradients summed
     in fp32, the balancing controller once per microbatch (as the trainer does), then ONE optimizer update with the
-    mean gradient (what optax.MultiSteps applies every k calls)."""
+    mean gradient (what accumulate.every_k applies every k calls)."""
     grad_fn = jax.value_and_grad(make_loss_fn(graphdef, False, ce_chunk_tokens=ce_chunk), has_aux=True)
 
     def program(state, batches):

@@ -65,7 +65,7 @@ class Plan:
         return self.ramp[step] if step < len(self.ramp) else self.accumulation
 
     def accumulation_schedule(self):
-        """k per optimizer step for optax.MultiSteps (None without a ramp)."""
+        """k per optimizer step for accumulate.every_k (None without a ramp)."""
         if not self.ramp:
             return None
         table = jnp.asarray(self.ramp + (self.accumulation,), jnp.int32)
