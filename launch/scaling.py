@@ -183,7 +183,7 @@ def main(argv=None) -> int:
         if error:
             result["errors"][part] = error
         device = (result["parts"][part] or {}).get("device") or {}
-        result.setdefault("device_kind", device.get("device_kind"))
+        result["device_kind"] = result.get("device_kind") or device.get("device_kind")
         result["headline"] = headline(result)
         write_json_atomic(args.out, result)
         print(f"   {part}: {result['wall_s'][part]:.0f} s" + (f", {error}" if error else ""), flush=True)

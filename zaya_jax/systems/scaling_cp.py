@@ -18,7 +18,7 @@ from zaya_jax.config import ModelConfig
 from zaya_jax.systems.scaling_step import (
     MeshStep,
     StepSpec,
-    peak_memory_gib,
+    step_memory_gib,
     time_steps,
 )
 
@@ -83,7 +83,7 @@ def run(cfg: ModelConfig, lengths: list[int], cps: list[int], *, check_steps: in
             row = {"seq_len": seq, "cp": cp, "devices": ms.spec.devices, "compile_s": ms.compile_s,
                    "losses": losses, "step_s": step_s, "tokens_per_s": seq / step_s,
                    "tokens_per_s_per_device": seq / step_s / ms.spec.devices,
-                   "peak_memory_gib": peak_memory_gib(ms.mesh.devices.flat)}
+                   "step_memory_gib": step_memory_gib(ms)}
             if cp == 1:
                 ref_losses, ref_grads = losses, grads
             else:

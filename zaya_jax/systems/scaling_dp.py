@@ -13,7 +13,7 @@ from zaya_jax.config import ModelConfig
 from zaya_jax.systems.scaling_step import (
     MeshStep,
     StepSpec,
-    peak_memory_gib,
+    step_memory_gib,
     time_steps,
 )
 
@@ -42,7 +42,7 @@ def run(cfg: ModelConfig, counts: list[int], *, seq_len: int, rows_per_device: i
         tokens = ms.spec.tokens
         run_row = {"devices": n, "compile_s": compile_s[n], "step_s": step_s, "tokens_per_s": tokens / step_s,
                    "tokens_per_s_per_device": tokens / step_s / n, "loss": loss,
-                   "peak_memory_gib": peak_memory_gib(ms.mesh.devices.flat)}
+                   "step_memory_gib": step_memory_gib(ms)}
         del state
         result["runs"].append(run_row)
         base = result["runs"][0]

@@ -80,7 +80,7 @@ class Settings:
                    cp_lengths=tuple(cp_lengths), cp_check_steps=3, cp_steps=2, cp_attention="allgather",
                    # bf16 compute: different GEMM shapes and attention blocking round differently
                    cp_tolerance={"loss_rel": 5e-3, "grad_rel_l2": 5e-2},
-                   run_steps=200, run_checkpoint_every=25, run_rows=16, run_seq=128, run_kill_at=60,
+                   run_steps=100, run_checkpoint_every=20, run_rows=16, run_seq=128, run_kill_at=45,
                    nproc=n, devices_per_process=1)
 
     @classmethod
@@ -108,6 +108,8 @@ def counts_from_one(n: int) -> list[int]:
 
 def run_part(name: str, s: Settings, deadline: float, workdir: str, save, log=print) -> dict:
     """Runs one part in this process (jax is imported here, not in the orchestrator)."""
+    if name in ("restore", "supervisor"):  # the trainers own the devices: this process must not take GPU memory
+        return _runs(name, s, deadline, workdir)
     from zaya_jax.systems.timing import device_summary
     head = {"device": device_summary()}
     if name == "collectives":
@@ -128,8 +130,6 @@ def run_part(name: str, s: Settings, deadline: float, workdir: str, save, log=pr
         return scaling_cp.run(cfg, list(s.cp_lengths), cps, check_steps=s.cp_check_steps, warmup=1, steps=s.cp_steps,
                               attention=s.cp_attention, deadline=deadline, tolerance=s.cp_tolerance,
                               save=lambda r: save({**head, **r}), log=log) | head
-    if name in ("restore", "supervisor"):
-        return {**head, **_runs(name, s, deadline, workdir)}
     raise ValueError(f"unknown part {name!r}; parts: {PARTS}")
 
 

@@ -25,11 +25,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @dataclasses.dataclass(frozen=True)
 class RunPlan:
-    steps: int = 200
-    checkpoint_every: int = 25
+    steps: int = 100
+    checkpoint_every: int = 20
     rows: int = 16  # sequences per step (must split over every device count used)
     seq_len: int = 128
-    kill_at: int = 60  # heartbeat step at which the supervisor drill kills a rank
+    kill_at: int = 45  # heartbeat step at which the supervisor drill kills a rank
     rtol: float = 1e-4
 
     def overrides(self) -> list[str]:

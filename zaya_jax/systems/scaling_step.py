@@ -155,14 +155,13 @@ def time_steps(ms: MeshStep, state, batch, *, warmup: int, steps: int, samples: 
     return state, times[len(times) // 2], float(metrics["loss"])
 
 
-def peak_memory_gib(devices) -> float | None:
-    """Largest peak allocation over the devices (None where the backend keeps no statistics)."""
-    peaks = []
-    for d in devices:
-        try:
-            stats = d.memory_stats() or {}
-        except Exception:  # noqa: BLE001 - backends without statistics raise various errors
-            stats = {}
-        if "peak_bytes_in_use" in stats:
-            peaks.append(stats["peak_bytes_in_use"])
-    return max(peaks) / 2 ** 30 if peaks else None
+def step_memory_gib(ms: MeshStep) -> float | None:
+    """One device's footprint of the compiled step from XLA's memory analysis: state and batch in, outputs, minus
+    the donated state, plus temporaries (None where the backend gives no analysis)."""
+    try:
+        m = ms.compiled.memory_analysis()
+        total = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+                 + m.temp_size_in_bytes)
+    except (AttributeError, TypeError):
+        return None
+    return total / 2 ** 30
