@@ -87,6 +87,8 @@ def _child_env(args, n: int, workdir: str) -> dict:
         flags += [f"--xla_force_host_platform_device_count={n}", "--xla_backend_optimization_level=0"]
     else:
         flags += GPU_XLA_FLAGS.split()
+        if args.devices:  # the first N GPUs only (every part, including the collectives sweep, sees N)
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(n))
     env["XLA_FLAGS"] = " ".join(flags)
     return env
 
