@@ -78,8 +78,10 @@ def default_tiling(dtype) -> GramTiling:
         return GramTiling(tile=32, tile_k=16, num_warps=4, num_stages=1)
     if jnp.dtype(dtype).itemsize >= 4:  # fp32 tiles take twice the shared memory per stage
         tiling = GramTiling(tile=64, tile_k=32, num_warps=4, num_stages=3)
-    else:  # fastest of the H200 sweep on 8 x 2048x2048 (benchmarks/muon_h200.json)
-        tiling = GramTiling(tile=128, tile_k=32, num_warps=4, num_stages=4)
+    else:  # fastest of the H200 sweep on 8 x 2048x2048 (benchmarks/muon_h200.json): 128x128 tiles, k 64, and the
+        # last partial wave split in halves with 2 programs resident per SM
+        tiling = GramTiling(tile=128, tile_k=64, num_warps=4, num_stages=3,
+                            tail_slots=2 * _platform.compute_units() if vendor == "cuda" else 0)
     if vendor == "rocm":  # 64-lane wavefronts: half the warps for as many lanes; AMD's pipeliner wants <= 2 stages
         tiling = dataclasses.replace(tiling, num_warps=max(1, tiling.num_warps // 2),
                                      num_stages=min(2, tiling.num_stages))
