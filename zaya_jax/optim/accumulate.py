@@ -3,7 +3,12 @@
 optax.MultiSteps (0.2.8) evaluates the inner update on every microbatch and throws it away with a select until the
 k-th; with Muon that is the whole Newton-Schulz (~88 TFLOP on the bench model) on every microbatch. Here the inner
 update sits in the branch of a lax.cond that only the k-th microbatch takes. The state is optax.MultiStepsState
-and the accumulator is the same running mean (fp32), so results and checkpoints equal MultiSteps'."""
+and the accumulator is the same running mean (fp32), so results and checkpoints equal MultiSteps'.
+
+The cond carries only what its branches change (the updates and the inner state, which the untaken branch returns
+as is and XLA then aliases in place); the accumulator's reset is a select fused into the running-mean pass outside
+it. Passing the accumulator through the cond made XLA copy it (a state-sized copy on every microbatch):
+tests/test_accumulate_hlo.py checks the compiled step for that."""
 
 from __future__ import annotations
 
@@ -33,13 +38,13 @@ def every_k(inner: optax.GradientTransformation, every_k_schedule: int | Callabl
                                 acc, state.inner_opt_state, params)
 
         def apply(acc, inner_state):
-            out, new_inner = inner.update(optax.tree.cast_like(acc, updates), inner_state, params)
-            return out, new_inner, optax.tree.zeros_like(acc)
+            return inner.update(optax.tree.cast_like(acc, updates), inner_state, params)
 
         def hold(acc, inner_state):
-            return optax.tree.zeros_like(shapes), inner_state, acc
+            return optax.tree.zeros_like(shapes), inner_state
 
-        out, inner_state, acc = jax.lax.cond(emit, apply, hold, acc, state.inner_opt_state)
+        out, inner_state = jax.lax.cond(emit, apply, hold, acc, state.inner_opt_state)
+        acc = jax.tree.map(lambda a: jnp.where(emit, jnp.zeros_like(a), a), acc)  # reset after the k-th
         step = jnp.where(emit, optax.safe_increment(state.gradient_step), state.gradient_step)
         return out, optax.MultiStepsState(mini_step=optax.safe_increment(n) % k, gradient_step=step,
                                           inner_opt_state=inner_state, acc_grads=acc, skip_state=state.skip_state)
