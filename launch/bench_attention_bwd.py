@@ -28,9 +28,12 @@ from pallas_kernels import _platform  # noqa: E402
 H, KV, D = 8, 2, 128
 
 # Variant name -> fields replaced in the table's row for the shape (which includes the long-sequence forward).
-# Variants named atomic_qXhY fix the dk/dv tiling (dkv_q=X positions x Y stacked heads); the others keep the row's.
+# Variants named split_qXhY / atomic_qXhY fix the dk/dv tiling (dkv_q=X positions x Y stacked heads); the others
+# keep the row's.
 VARIANTS = {
     "split": {},
+    "split_q32h2": dict(dkv_q=32, dkv_heads=2),
+    "split_q16h4": dict(dkv_q=16, dkv_heads=4),
     "atomic": dict(bwd="atomic"),
     "atomic_q32h2": dict(bwd="atomic", dkv_q=32, dkv_heads=2),
     "atomic_q16h2": dict(bwd="atomic", dkv_q=16, dkv_heads=2),
