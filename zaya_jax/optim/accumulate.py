@@ -12,7 +12,7 @@ tests/test_accumulate_hlo.py checks the compiled step for that."""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
