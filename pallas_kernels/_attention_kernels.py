@@ -5,7 +5,9 @@ Layouts: q/o/dq [B, Tp, H, dp], k/v/dk/dv [B, Sp, KV, dp], lse/delta [B, H, Tp] 
 [B, Tp] / [B, Sp] int32, the sliding window a [1] int32 array (or None; an array so that scanned layers may
 carry different windows), loop ranges [B, n_blocks, 4] int32 (see `_attention_blocks`). Tp, Sp are multiples of
 every block size and dp is a power of two >= 16; the wrapper pads. Query head h reads KV head h // groups through
-the BlockSpec index map, so repeated K/V are never materialised.
+the BlockSpec index map, so repeated K/V are never materialised. Inside shard_map (check_vma) each launch makes its
+inputs vary over the union of their mesh axes and its outputs carry that type (`_vma`); the caller sums gradients
+back to their primals' types.
 
 Head stacking: a tile of query rows may hold `heads` query heads of one KV head at the same positions, stacked
 position-major ([block_q, heads, dp] -> [block_q * heads, dp]). All of them share every K/V tile, so one program
@@ -31,6 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _platform
+from pallas_kernels import _vma
 
 F32 = jnp.float32
 LOG2E = math.log2(math.e)
@@ -172,6 +175,8 @@ def forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, window, ranges, *, scale, blo
     Sp, KV = k.shape[1], k.shape[2]
     bq, bk = blocks.fwd_q, blocks.fwd_k
     heads = stacked_heads(H // KV, blocks.fwd_heads)
+    ranges, q, k, v, q_pos, kv_pos, q_seg, kv_seg, window = _vma.vary_to_union(
+        ranges, q, k, v, q_pos, kv_pos, q_seg, kv_seg, window)
     sp = _query_grid_specs(B, Tp, Sp, H, KV, dp, bq, heads)
     opt_specs, opt_arrays = _optional_inputs(sp["q_vec"], sp["kv_vec"], q_seg, kv_seg, window)
     in_specs = [sp["ranges"], sp["q"], sp["kv"], sp["kv"], sp["q_vec"], sp["kv_vec"]] + opt_specs
@@ -181,7 +186,7 @@ def forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, window, ranges, *, scale, blo
         grid=(H // heads, B, Tp // bq),
         in_specs=in_specs,
         out_specs=[sp["q"], sp["stats"]],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, H, Tp), F32)],
+        out_shape=[_vma.out_struct(q.shape, q.dtype, q), _vma.out_struct((B, H, Tp), F32, q)],
         compiler_params=_platform.compiler_params(blocks.fwd_warps, blocks.fwd_stages),
         interpret=_platform.interpret(), name="cca_attention_fwd",
     )(ranges, q, k, v, q_pos, kv_pos, *opt_arrays)
@@ -222,6 +227,8 @@ def backward_dq(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, 
     Sp, KV = k.shape[1], k.shape[2]
     bq, bk = blocks.dq_q, blocks.dq_k
     heads = stacked_heads(H // KV, blocks.dq_heads)
+    ranges, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window = _vma.vary_to_union(
+        ranges, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window)
     sp = _query_grid_specs(B, Tp, Sp, H, KV, dp, bq, heads)
     opt_specs, opt_arrays = _optional_inputs(sp["q_vec"], sp["kv_vec"], q_seg, kv_seg, window)
     in_specs = [sp["ranges"], sp["q"], sp["kv"], sp["kv"], sp["q"], sp["stats"], sp["stats"], sp["q_vec"],
@@ -232,7 +239,7 @@ def backward_dq(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, 
         grid=(H // heads, B, Tp // bq),
         in_specs=in_specs,
         out_specs=sp["q"],
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_shape=_vma.out_struct(q.shape, q.dtype, q),
         compiler_params=_platform.compiler_params(blocks.dq_warps, blocks.dq_stages),
         interpret=_platform.interpret(), name="cca_attention_dq",
     )(ranges, q, k, v, do, lse2, delta, q_pos, kv_pos, *opt_arrays)
@@ -336,6 +343,8 @@ def _dkv_call(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ra
     groups = H // KV // split  # query heads per program
     heads = stacked_heads(groups, blocks.dkv_heads)
     has_seg = q_seg is not None
+    ranges, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window = _vma.vary_to_union(
+        ranges, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window)
     # Program axis 0 = KV head * split + share; its query heads are share-block `g` of size `groups`.
     # Key block j = program axis 2 ascending: the first key blocks see the most queries under causal masks.
     group_spec = pl.BlockSpec((None, Tp, groups, dp), lambda g, b, j: (b, 0, g, 0))
@@ -348,15 +357,15 @@ def _dkv_call(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ra
     in_specs = [pl.BlockSpec((None, None, 4), lambda g, b, j: (b, j, 0)), group_spec, kv_spec, kv_spec, group_spec,
                 rows_spec, rows_spec, q_vec, kv_vec] + opt_specs
     out_dtype = k.dtype if split == 1 else F32  # partial sums stay fp32 until they are added
-    out_shape = jax.ShapeDtypeStruct((B, Sp, KV * split, dp), out_dtype)
+    out_shape = _vma.out_struct((B, Sp, KV * split, dp), out_dtype, q)
     args = [ranges, q, k, v, do, lse2, delta, q_pos, kv_pos, *opt_arrays]
     out_specs, out_shapes, aliases = [out_spec, out_spec], [out_shape, out_shape], {}
     if with_dq:  # dq accumulates in place in a zeroed fp32 buffer; a program adds to its own query heads' rows
         aliases = {len(args): 2}
-        args.append(jnp.zeros((B, Tp, H, dp), F32))
+        args.append(_vma.vary(jnp.zeros((B, Tp, H, dp), F32), _vma.varying_axes(q)))
         in_specs.append(group_spec)
         out_specs.append(group_spec)
-        out_shapes.append(jax.ShapeDtypeStruct((B, Tp, H, dp), F32))
+        out_shapes.append(_vma.out_struct((B, Tp, H, dp), F32, q))
     outs = pl.pallas_call(
         functools.partial(_dkv_kernel, c=scale * LOG2E, scale=scale, block_q=bq, groups=groups, heads=heads,
                           has_seg=has_seg, has_window=window is not None, with_dq=with_dq),

@@ -29,6 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _platform
+from pallas_kernels import _vma
 
 F32 = jnp.float32
 
@@ -233,7 +234,12 @@ def _layer_bwd_kernel(x_ref, dy_ref, mean_ref, rstd_ref, w_ref, dx_ref, part_ref
 # ------------------------------------------------------------------------------------------------------ launches
 def _rows_call(kernel, name, *, rows_in, stats_in, vecs_in, rows_out, n_stats_out, n_partials, d, launch,
                programs=None, **kernel_kw):
-    """Launches `kernel` over row ranges; returns (row outputs..., stat outputs..., summed partials...)."""
+    """Launches `kernel` over row ranges; returns (row outputs..., stat outputs..., summed partials...).
+    Inside shard_map (check_vma) all inputs are made varying over the union of their mesh axes (a replicated
+    weight next to sharded rows) and the outputs carry that type; the custom VJPs sum gradients back."""
+    n_r, n_s = len(rows_in), len(stats_in)
+    inputs = _vma.vary_to_union(*rows_in, *stats_in, *vecs_in)
+    rows_in, stats_in, vecs_in = inputs[:n_r], inputs[n_r:n_r + n_s], inputs[n_r + n_s:]
     n_rows = rows_in[0].shape[0]
     block_d = _platform.next_pow2(d)
     rows = launch.rows
@@ -247,9 +253,10 @@ def _rows_call(kernel, name, *, rows_in, stats_in, vecs_in, rows_out, n_stats_ou
     if n_partials & (n_partials - 1):
         raise ValueError(f"n_partials must be 0 or a power of two (a Triton block dimension), got {n_partials}")
     part_spec = pl.BlockSpec((None, n_partials, block_d), lambda i: (i, 0, 0))
-    out_shape = ([jax.ShapeDtypeStruct((n_rows, d), dt) for dt in rows_out]
-                 + [jax.ShapeDtypeStruct((n_rows,), F32)] * n_stats_out
-                 + [jax.ShapeDtypeStruct((programs, n_partials, d), F32)] * bool(n_partials))
+    like = rows_in[0]
+    out_shape = ([_vma.out_struct((n_rows, d), dt, like) for dt in rows_out]
+                 + [_vma.out_struct((n_rows,), F32, like)] * n_stats_out
+                 + [_vma.out_struct((programs, n_partials, d), F32, like)] * bool(n_partials))
     outs = pl.pallas_call(
         functools.partial(kernel, d=d, n_rows=n_rows, rows=rows, n_iters=n_iters, **kernel_kw),
         grid=(programs,),

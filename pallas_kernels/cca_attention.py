@@ -25,6 +25,7 @@ import numpy as np
 from pallas_kernels import _attention_blocks as blocks_lib
 from pallas_kernels import _attention_kernels as kern
 from pallas_kernels import _platform
+from pallas_kernels import _vma
 from pallas_kernels._platform import AttentionBlocks
 
 LN2 = math.log(2.0)
@@ -99,10 +100,14 @@ def _flash_bwd(cfg: _Config, res, cotangents):
     dkv_ranges = _loop_ranges(cfg, *masks, b.dkv_q, b.dkv_k, per_kv_block=True)
     if b.bwd == "atomic":
         dk, dv, dq = kern.backward_fused(q, k, v, do, lse2, delta, *masks, dkv_ranges, scale=cfg.scale, blocks=b)
-        return (dq * cfg.scale).astype(q.dtype), dk, dv, None, None, None, None, None
-    dq_ranges = _loop_ranges(cfg, *masks, b.dq_q, b.dq_k, per_kv_block=False)
-    dq = kern.backward_dq(q, k, v, do, lse2, delta, *masks, dq_ranges, scale=cfg.scale, blocks=b)
-    dk, dv = kern.backward_dkv(q, k, v, do, lse2, delta, *masks, dkv_ranges, scale=cfg.scale, blocks=b)
+        dq = (dq * cfg.scale).astype(q.dtype)
+    else:
+        dq_ranges = _loop_ranges(cfg, *masks, b.dq_q, b.dq_k, per_kv_block=False)
+        dq = kern.backward_dq(q, k, v, do, lse2, delta, *masks, dq_ranges, scale=cfg.scale, blocks=b)
+        dk, dv = kern.backward_dkv(q, k, v, do, lse2, delta, *masks, dkv_ranges, scale=cfg.scale, blocks=b)
+    # Inside shard_map the kernels ran on values varying over every input's mesh axes: a gradient is summed over
+    # the axes its primal is invariant over (e.g. K/V gathered whole onto every context-parallel device).
+    dq, dk, dv = (_vma.sum_to_type_of(g, x) for g, x in ((dq, q), (dk, k), (dv, v)))
     return dq, dk, dv, None, None, None, None, None
 
 

@@ -6,7 +6,9 @@ Same signatures and numerics as `zaya_jax.ops.rmsnorm` (the jnp references):
       -> (h fp32, rms_norm(h)) with h = (branch + hs_bias) * hs_scale + (residual + res_bias) * res_scale
   layer_norm(x, weight, bias, eps, out_dtype)         -> weight * (x - mean) * rsqrt(var + eps) + bias
 Statistics are fp32; the forward saves the inverse std (and mean) so the backward needs one pass over the rows.
-Inputs may have any leading shape; the last axis is normalised.
+Inputs may have any leading shape; the last axis is normalised. Inside shard_map (check_vma) the kernels run on
+inputs made varying over all their mesh axes, so each gradient is summed over the axes its primal is invariant over
+(a replicated weight's gradient over the data-parallel axis), as autodiff does for ordinary primitives.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _norm_kernels as kern
+from pallas_kernels._vma import sum_to_type_of
 
 F32 = jnp.float32
 
@@ -43,7 +46,7 @@ def _rms_fwd(x, w, eps, out_dtype):
 def _rms_bwd(eps, out_dtype, res, dy):
     x, w, rstd = res
     dx, dw = kern.rms_backward(x, dy, rstd, w)
-    return dx, dw.astype(w.dtype)
+    return sum_to_type_of(dx, x), sum_to_type_of(dw.astype(w.dtype), w)
 
 
 _rms.defvjp(_rms_fwd, _rms_bwd)
@@ -74,8 +77,9 @@ def _merge_bwd(eps, out_dtype, res, cotangents):
     # h = (branch + hb) * hs + (residual + rb) * rs, so d hb = hs * sum(g) and d rb = rs * sum(g).
     d_hb = hs.astype(F32) * g_sum
     d_rb = rs.astype(F32) * g_sum
-    return (d_branch, d_resid, g_branch.astype(hs.dtype), d_hb.astype(hb.dtype), g_resid.astype(rs.dtype),
-            d_rb.astype(rb.dtype), g_w.astype(w.dtype))
+    grads = (d_branch, d_resid, g_branch.astype(hs.dtype), d_hb.astype(hb.dtype), g_resid.astype(rs.dtype),
+             d_rb.astype(rb.dtype), g_w.astype(w.dtype))
+    return tuple(sum_to_type_of(g, p) for g, p in zip(grads, (branch, residual, hs, hb, rs, rb, w)))
 
 
 _merge.defvjp(_merge_fwd, _merge_bwd)
@@ -104,7 +108,7 @@ def _layer_fwd(x, w, b, eps, out_dtype):
 def _layer_bwd(eps, out_dtype, res, dy):
     x, w, b, mean, rstd = res
     dx, dw, db = kern.layer_backward(x, dy, mean, rstd, w)
-    return dx, dw.astype(w.dtype), db.astype(b.dtype)
+    return sum_to_type_of(dx, x), sum_to_type_of(dw.astype(w.dtype), w), sum_to_type_of(db.astype(b.dtype), b)
 
 
 _layer.defvjp(_layer_fwd, _layer_bwd)

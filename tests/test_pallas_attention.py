@@ -7,9 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import _attention_blocks as blocks_lib
-from pallas_kernels import _platform
+from pallas_kernels import _platform, _vma
 from pallas_kernels import cca_attention as pk
 from zaya_jax.ops import attention as ops
 
@@ -198,6 +200,58 @@ def test_dispatch_through_ops():
     assert rel_err(o, ref_o) <= 1e-5 and rel_err(lse, ref_lse) <= 1e-5
 
 
+# ------------------------------------------------------------------------------ inside shard_map (check_vma)
+# Each shard holds a chunk of the queries ('q', context parallelism: K/V and key segment ids whole on every shard,
+# so their gradients are sums over the shards) or of the keys ('kv': the queries whole, their gradient summed).
+# Positions of the chunked side are global; the sliding window is a traced invariant scalar.
+_CHUNK, _WHOLE = P(None, "data"), P()
+SHARD_SPECS = {
+    "q": dict(in_specs=(_CHUNK, _WHOLE, _WHOLE, _CHUNK, _WHOLE, _CHUNK, P(None, None, "data"), P()),
+              out_specs=(_CHUNK, _WHOLE, _WHOLE)),
+    "kv": dict(in_specs=(_WHOLE, _CHUNK, _CHUNK, _WHOLE, _CHUNK, _WHOLE, _WHOLE, P()),
+               out_specs=(_WHOLE, _CHUNK, _CHUNK)),
+}
+
+
+def _sharded_grads(attention_with_lse, chunked: str):
+    """(q, k, v, q_seg, kv_seg, do, dlse, window) -> (dq, dk, dv) of sum(o * do) + sum(lse * dlse) on this shard."""
+    def grads(q, k, v, q_seg, kv_seg, do, dlse, window):
+        side = q if chunked == "q" else k
+        pos = lax.axis_index("data") * side.shape[1] + jnp.arange(side.shape[1], dtype=jnp.int32)
+        where = dict(q_positions=pos) if chunked == "q" else dict(kv_positions=pos)
+
+        def loss(q, k, v):
+            o, lse = attention_with_lse(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg, sliding_window=window,
+                                        **where)
+            return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(lse * dlse)
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    return grads
+
+
+def _sharded_inputs(seed, B, T, H, KV, d, dtype):
+    q, k, v, do = _qkv(seed, B, T, T, H, KV, d, dtype)
+    seg = jnp.repeat(jnp.arange(3, dtype=jnp.int32), -(-T // 3))[:T][None].repeat(B, 0)
+    dlse = jax.random.normal(jax.random.key(seed + 1), (B, H, T))
+    return q, k, v, seg, seg, do.astype(jnp.float32), dlse, jnp.int32(T // 2)
+
+
+# The whole-side gradients (out_specs P()) only type-check if they were summed over the shards (one all-reduce
+# each). In the 'kv' layout the kernels' first input (q) is invariant, yet their outputs must be typed varying.
+@pytest.mark.parametrize("chunked,summed", [("q", 2), ("kv", 1)])
+@pytest.mark.parametrize("bwd,kernels", [("split", ("cca_attention_fwd", "cca_attention_dq", "cca_attention_dkv")),
+                                         ("atomic", ("cca_attention_fwd", "cca_attention_bwd_fused"))])
+def test_fwd_bwd_lower_for_cuda_inside_shard_map(monkeypatch, bwd, kernels, chunked, summed):
+    monkeypatch.setattr(_platform, "interpret", lambda: False)
+    blocks = dataclasses.replace(_platform.attention_blocks(16, 64), bwd=bwd)
+    args = _sharded_inputs(13, 2, 8 * 64, 4, 2, 16, jnp.bfloat16)
+    fn = _sharded_grads(functools.partial(pk.attention_with_lse, blocks=blocks), chunked)
+    text = _vma.lower_in_shard_map_for_cuda(fn, args, **SHARD_SPECS[chunked])
+    assert text.count("__gpu$xla.gpu.triton") == len(kernels)
+    for name in kernels:
+        assert f'name = "{name}"' in text, name
+    assert text.count("stablehlo.all_reduce") == summed
+
+
 # ------------------------------------------------------------------------------------------- compiled (GPU)
 def _upcast_reference(q, k, v, do, kw):
     f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
@@ -245,3 +299,22 @@ def test_gpu_stacked_dkv_heads_causal_gqa(bwd, dkv_q, dkv_heads, T=2048):
         again = _fwd_bwd(fn, q, k, v, do, {})
         for name, a, b in zip(("dk", "dv"), got[2:], again[2:]):
             assert np.array_equal(np.asarray(a), np.asarray(b)), f"{name} differs between two identical runs"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bwd", ["split", "atomic"])
+def test_gpu_attention_inside_shard_map(bwd):
+    """Context-parallel query chunks over the real devices (check_vma): the gradients match the whole problem's
+    (XLA reference in fp32, one shard)."""
+    n = len(jax.devices())
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    args = _sharded_inputs(14, 2, n * 512, 8, 2, 128, jnp.bfloat16)
+    blocks = dataclasses.replace(_platform.attention_blocks(128, 512), bwd=bwd)
+    fn = _sharded_grads(functools.partial(pk.attention_with_lse, blocks=blocks), "q")
+    inside = jax.jit(jax.shard_map(fn, mesh=mesh, **SHARD_SPECS["q"]))(*args)
+    one = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    whole = jax.jit(jax.shard_map(_sharded_grads(ops.attention_with_lse, "q"), mesh=one, **SHARD_SPECS["q"]))(
+        *(a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args))
+    for name, a, b in zip(("dq", "dk", "dv"), inside, whole):
+        err = rel_err(a, b)
+        assert err <= 1e-2, f"{name}: {err:.2e}"

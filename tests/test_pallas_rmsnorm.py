@@ -6,8 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import _norm_kernels as kern
+from pallas_kernels import _platform, _vma
 from pallas_kernels import rmsnorm as pk
 from pallas_kernels._platform import NormLaunch
 from zaya_jax.ops import rmsnorm as ops
@@ -124,6 +126,34 @@ def test_dispatch_through_ops():
                   "ops.layer_norm")
     with pytest.raises(ValueError):
         ops.layer_norm(x, w, b, EPS, impl="nope")
+
+
+# ------------------------------------------------------------------------------ inside shard_map (check_vma)
+def _sharded_norm_grads(x, residual, branch, dy, vecs):
+    """x, residual, dy: this shard's rows; branch (this shard's row count, the merge's first input) and the [D]
+    parameters replicated (invariant), so their gradients are sums over the shards."""
+    def loss(x, residual, branch, vecs):
+        hs, hb, rs, rb, w, b = vecs
+        y_rms = pk.rms_norm(x, w, EPS, jnp.float32)
+        y_ln = pk.layer_norm(x, w, b, EPS, jnp.float32)
+        h, y_merge = pk.merge_rms_norm(branch, residual, hs, hb, rs, rb, w, EPS, jnp.bfloat16)
+        return jnp.sum((y_rms + y_ln + h + y_merge.astype(jnp.float32)) * dy)
+    return jax.grad(loss, argnums=(0, 1, 2, 3))(x, residual, branch, vecs)
+
+
+def test_fwd_bwd_lower_for_cuda_inside_shard_map(monkeypatch):
+    monkeypatch.setattr(_platform, "interpret", lambda: False)
+    _, x, vecs = _inputs(6, 8 * 24, 200, jnp.bfloat16)
+    residual = dy = x.astype(jnp.float32)
+    rows, whole = P("data"), P()
+    text = _vma.lower_in_shard_map_for_cuda(_sharded_norm_grads, (x, residual, x[:24], dy, tuple(vecs)),
+                                            in_specs=(rows, rows, whole, rows, whole),
+                                            out_specs=(rows, rows, whole, whole))
+    for name in ("rms_norm", "layer_norm", "merge_rms_norm"):
+        assert f'name = "{name}_fwd"' in text and f'name = "{name}_bwd"' in text, name
+    assert text.count("__gpu$xla.gpu.triton") == 6
+    # one sum per gradient of an invariant input: rms dw; layer norm dw, db; merge d_branch, hs, hb, rs, rb, w
+    assert text.count("stablehlo.all_reduce") == 9
 
 
 # ------------------------------------------------------------------------------------------- compiled (GPU)
