@@ -5,8 +5,10 @@ weight (a part that ends early leaves its time to the next; one that overruns is
   collectives  all-reduce / reduce-scatter / all-gather / all-to-all over 2..N GPUs, next to nccl-tests' 8 x H200
   dp           DP + ZeRO-1 weak scaling 1 -> N on the bench preset (dp_weak_scaling_efficiency_N)
   cp           context parallelism 2..N at 32k and 128k tokens: equality with one GPU, tokens/s per GPU
-  restore      checkpoint saved on N GPUs, restored on N/2, training continues with the same losses
-  supervisor   N processes under launch.supervise, one killed with SIGKILL, the group resumes (timeline)
+  restore      checkpoint saved on N GPUs, restored on N/2: the first steps after the resume equal the N-GPU run's
+               (later steps: a drift curve, MoE routing amplifies reduction-order rounding)
+  supervisor   N processes under launch.supervise, one killed with SIGKILL, the group resumes from a finished
+               checkpoint and repeats its own first attempt's losses (timeline, steps lost)
 Writes the JSON after every part and a figure next to it (same name, .png). NVLink multicast stays off
 (NCCL_NVLS_ENABLE=0). --cpu-smoke runs the same code on emulated CPU devices with tiny shapes (tests, CI).
 """
@@ -54,6 +56,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--cpu-smoke", action="store_true", help="emulated CPU devices, tiny shapes (no timing value)")
     ap.add_argument("--dp-layers", type=int, default=8, help="layers of the bench preset in the DP part")
     ap.add_argument("--cp-lengths", default="32768,131072", help="sequence lengths of the CP part")
+    ap.add_argument("--cp-attention-impl", choices=("pallas", "xla"), default=None,
+                    help="attention kernel of the CP part (default: pallas on GPU, xla with --cpu-smoke); 'xla' "
+                         "materialises [S, S] scores: use it with --cp-lengths up to ~16384")
+    ap.add_argument("--dp-attention-impl", choices=("xla", "pallas"), default="xla",
+                    help="attention kernel of the DP part (cuDNN cannot be lowered inside its shard_map)")
     ap.add_argument("--workdir", default=None, help="scratch for training runs and logs (default: a temp dir)")
     # one part, in the child process the orchestrator starts
     ap.add_argument("--run-part", choices=PARTS, help=argparse.SUPPRESS)
@@ -64,8 +71,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _settings(args, n: int) -> Settings:
     if args.cpu_smoke:
-        return Settings.cpu_smoke(n)
-    return Settings.gpu(n, dp_layers=args.dp_layers, cp_lengths=tuple(int(x) for x in args.cp_lengths.split(",")))
+        return Settings.cpu_smoke(n, cp_attention=args.cp_attention_impl or "xla")
+    return Settings.gpu(n, dp_layers=args.dp_layers, cp_lengths=tuple(int(x) for x in args.cp_lengths.split(",")),
+                        dp_attention=args.dp_attention_impl, cp_attention=args.cp_attention_impl or "pallas")
 
 
 def _count_gpus() -> int:
@@ -105,7 +113,9 @@ def _run_part(args, part: str, n: int, deadline: float, workdir: str, env: dict)
     out = os.path.join(workdir, f"part_{part}.json")
     cmd = [sys.executable, "-m", "launch.scaling", "--run-part", part, "--part-out", out, "--deadline",
            str(deadline), "--devices", str(n), "--workdir", workdir, "--dp-layers", str(args.dp_layers),
-           "--cp-lengths", args.cp_lengths] + (["--cpu-smoke"] if args.cpu_smoke else [])
+           "--cp-lengths", args.cp_lengths, "--dp-attention-impl", args.dp_attention_impl]
+    cmd += (["--cp-attention-impl", args.cp_attention_impl] if args.cp_attention_impl else [])
+    cmd += ["--cpu-smoke"] if args.cpu_smoke else []
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     error = None
     try:
@@ -145,8 +155,8 @@ def headline(result: dict) -> dict:
     if cp:
         h["cp_all_equal"] = all(r["equal"] for r in cp)
         h["cp_checked"] = [f"{r['seq_len']}@CP{r['cp']}" for r in cp]
-    if "losses_match" in (parts.get("restore") or {}):
-        h["restore_losses_match"] = parts["restore"]["losses_match"]
+    if "resume_matches" in (parts.get("restore") or {}):
+        h["restore_resume_matches"] = parts["restore"]["resume_matches"]
     if "resumed_and_matched" in (parts.get("supervisor") or {}):
         h["supervisor_resumed_and_matched"] = parts["supervisor"]["resumed_and_matched"]
     return h

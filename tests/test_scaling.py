@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import jax
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -22,6 +23,7 @@ def test_cpu_smoke_report(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["errors"] == {} and r["env"]["NCCL_NVLS_ENABLE"] == "0"
+    assert r["parts"]["cp"]["model"]["attention_impl"] == "xla" and r["parts"]["dp"]["model"]["attention_impl"] == "xla"
     assert r["nccl_reference"]["source"].startswith("https://github.com/NVIDIA/nccl-tests/issues/212")
     coll = r["parts"]["collectives"]
     assert {(s["n"], s["collective"]) for s in coll["summary"]} == {
@@ -33,3 +35,38 @@ def test_cpu_smoke_report(tmp_path):
     assert [(x["seq_len"], x["cp"]) for x in cp] == [(64, 1), (64, 2)] and cp[1]["equal"], cp[1]
     assert r["headline"]["cp_all_equal"] and r["headline"]["dp_weak_scaling_efficiency_2"] > 0
     assert (tmp_path / "scaling.png").stat().st_size > 10_000
+
+
+def test_cudnn_attention_is_refused_on_several_devices():
+    from zaya_jax.config import preset
+    from zaya_jax.systems.scaling_step import MeshStep, StepSpec
+    cfg = preset("tiny", num_hidden_layers=1, attention_impl="cudnn")
+    with pytest.raises(ValueError, match="cudnn.*use 'xla' or 'pallas'"):
+        MeshStep(StepSpec(cfg, 32, 2, 2))
+
+
+def _write_metrics(workdir, rows):
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps({"step": s, "loss": loss}) + "\n" for s, loss in rows)
+
+
+def test_supervisor_verdict_uses_the_first_attempt_and_the_resume_checkpoint(tmp_path):
+    from zaya_jax.systems.scaling_runs import RunPlan, _supervised_verdict, read_attempts
+    plan = RunPlan(steps=8, checkpoint_every=2, kill_at=5, tight_steps=2)
+    ref = [(s, 3.0 - 0.1 * s) for s in range(1, 9)]
+    _write_metrics(tmp_path / "ref", ref)
+    noisy = [(s, v * (1 + 1e-4)) for s, v in ref]  # another process layout: off the reference by 1e-4 everywhere
+    # killed after step 5; the step-4 save was unfinished, so the restart resumed from step 2 and redid 3..5
+    _write_metrics(tmp_path / "group", noisy[:5] + noisy[2:])
+    assert [sorted(a) for a in read_attempts(str(tmp_path / "group"))] == [[1, 2, 3, 4, 5], list(range(3, 9))]
+    v = _supervised_verdict(str(tmp_path / "group"), str(tmp_path / "ref"), plan, killed_at=5)
+    assert (v["resumed_from_step"], v["steps_lost"], v["finished"]) == (2, 3, True)
+    assert v["first_steps_after_resume_vs_first_attempt"]["steps"] == [3, 4] and v["resumed_and_matched"], v
+    assert v["layout_noise_before_kill"][0]["max_rel_diff"] == pytest.approx(1e-4)
+    # a restart that repeats different losses, or that started over from step 0, is not a match
+    _write_metrics(tmp_path / "off", noisy[:5] + [(s, v * 1.01) for s, v in noisy[2:]])
+    assert not _supervised_verdict(str(tmp_path / "off"), str(tmp_path / "ref"), plan, 5)["resumed_and_matched"]
+    _write_metrics(tmp_path / "scratch", noisy[:5] + noisy)
+    v = _supervised_verdict(str(tmp_path / "scratch"), str(tmp_path / "ref"), plan, 5)
+    assert v["resumed_from_step"] == 0 and not v["resumed_from_a_cadence_checkpoint"] and not v["resumed_and_matched"]

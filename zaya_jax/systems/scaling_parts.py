@@ -17,7 +17,8 @@ import shutil
 import time
 
 PARTS = ("collectives", "dp", "cp", "restore", "supervisor")
-WEIGHTS = {"collectives": 1.0, "dp": 2.5, "cp": 2.5, "restore": 1.0, "supervisor": 1.5}  # shares of the budget
+WEIGHTS = {"collectives": 1.0, "dp": 2.0, "cp": 2.5, "restore": 2.5, "supervisor": 1.5}  # shares of the budget
+# (restore: two whole trainer runs, ~85 s on 4 H200 mostly start-up and compilation; supervisor: one, ~55 s)
 
 # NVIDIA/nccl-tests issue #212 (2024-05-06), NCCL maintainer: 450 GB/s is NVLink 4's line rate per direction;
 # with ~20% protocol overhead NCCL reaches ~370 GB/s effective, seen as busbw of non-all-reduce collectives or of
@@ -68,15 +69,19 @@ class Settings:
     devices_per_process: int
 
     @classmethod
-    def gpu(cls, n: int, dp_layers: int = 8, cp_lengths=(32768, 131072)) -> Settings:
+    def gpu(cls, n: int, dp_layers: int = 8, cp_lengths=(32768, 131072), dp_attention: str = "xla",
+            cp_attention: str = "pallas") -> Settings:
+        # dp: not cuDNN attention, which XLA cannot lower inside the DP gradients' shard_map (scaling_step.py)
         return cls(devices=n, smoke=False, coll_min_bytes=64 << 10, coll_max_bytes=1 << 30, coll_step=4,
                    dp_preset="bench",
-                   dp_overrides=(("num_hidden_layers", dp_layers), ("attention_impl", "cudnn"), ("remat", "none")),
+                   dp_overrides=(("num_hidden_layers", dp_layers), ("attention_impl", dp_attention),
+                                 ("remat", "none")),
                    dp_seq=4096, dp_rows_per_device=2, dp_warmup=2, dp_steps=3, dp_ce_chunk=4096,
                    # ZAYA1 attention (CCA, 8 x 128 query heads, 2 KV heads), 2 layers, 4 experts, 2k vocabulary: a
                    # 128k-token step fits one H200 for the reference; Pallas flash attention takes any positions
+                   # ('xla' materialises [S, S] scores per head: lengths up to ~16k)
                    cp_overrides=(("num_hidden_layers", 2), ("num_experts", 4), ("vocab_size", 2048),
-                                 ("attention_impl", "pallas"), ("remat", "full")),
+                                 ("attention_impl", cp_attention), ("remat", "full")),
                    cp_lengths=tuple(cp_lengths), cp_check_steps=3, cp_steps=2, cp_attention="allgather",
                    # bf16 compute: different GEMM shapes and attention blocking round differently
                    cp_tolerance={"loss_rel": 5e-3, "grad_rel_l2": 5e-2},
@@ -84,13 +89,14 @@ class Settings:
                    nproc=n, devices_per_process=1)
 
     @classmethod
-    def cpu_smoke(cls, n: int) -> Settings:
+    def cpu_smoke(cls, n: int, cp_attention: str = "xla") -> Settings:
         if n < 2 or n % 2:
             raise ValueError(f"the CPU smoke run needs an even number of emulated devices >= 2, got {n}")
         tiny = (("num_hidden_layers", 2), ("dtype", "float32"), ("remat", "none"))
+        cp_tiny = tiny + (("attention_impl", cp_attention),)  # 'pallas' runs in interpret mode on CPU
         return cls(devices=n, smoke=True, coll_min_bytes=1 << 10, coll_max_bytes=16 << 10, coll_step=4,
                    dp_preset="tiny", dp_overrides=tiny, dp_seq=64, dp_rows_per_device=2, dp_warmup=1, dp_steps=1,
-                   dp_ce_chunk=None, cp_overrides=tiny, cp_lengths=(64,), cp_check_steps=2, cp_steps=1,
+                   dp_ce_chunk=None, cp_overrides=cp_tiny, cp_lengths=(64,), cp_check_steps=2, cp_steps=1,
                    cp_attention="allgather", cp_tolerance={"loss_rel": 1e-4, "grad_rel_l2": 1e-3},
                    run_steps=6, run_checkpoint_every=2, run_rows=8, run_seq=32, run_kill_at=3,
                    nproc=2, devices_per_process=n // 2)
@@ -147,22 +153,22 @@ def _collectives(s: Settings) -> dict:
 
 def _runs(name: str, s: Settings, deadline: float, workdir: str) -> dict:
     from zaya_jax.systems import scaling_runs
-    plan = s.run_plan()
+    plan, gpu = s.run_plan(), not s.smoke
     ref_dir = os.path.join(workdir, "reference")
-    out = {"plan": dataclasses.asdict(plan)}
+    out = {"plan": dataclasses.asdict(plan), "xla_deterministic_ops": gpu}
     if not os.path.exists(os.path.join(ref_dir, "metrics.jsonl")):
         shutil.rmtree(ref_dir, ignore_errors=True)  # an unfinished reference from an earlier try
-        out["reference"] = scaling_runs.reference(ref_dir, plan, s.devices, max(30.0, deadline - time.time()))
+        out["reference"] = scaling_runs.reference(ref_dir, plan, s.devices, max(30.0, deadline - time.time()), gpu=gpu)
         if "error" in out["reference"]:
             return out
     if name == "restore":
         fewer = max(1, s.devices // 2)
         out.update(scaling_runs.restore_on_fewer(ref_dir, os.path.join(workdir, f"restore_on_{fewer}"), plan,
-                                                 s.devices, fewer, max(30.0, deadline - time.time())))
+                                                 s.devices, fewer, max(30.0, deadline - time.time()), gpu=gpu))
     else:
         out.update(scaling_runs.supervised_kill(ref_dir, os.path.join(workdir, "supervised"), plan, s.nproc,
                                                 max(30.0, deadline - time.time()),
-                                                platform="cpu" if s.smoke else "gpu",
+                                                platform="gpu" if gpu else "cpu",
                                                 devices_per_process=s.devices_per_process))
     return out
 

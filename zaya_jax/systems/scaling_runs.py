@@ -1,16 +1,22 @@
 """Whole training runs for the scaling report, through the real CLIs (launch.train, launch.supervise):
 
   restore     train on N devices with checkpoints; resume a copy of the run from a mid-run checkpoint on fewer
-              devices (the supervisor's ZAYA_NUM_DEVICES path); the resumed losses must equal the uninterrupted run's
+              devices (the supervisor's ZAYA_NUM_DEVICES path)
   supervisor  N processes (one per device) under `launch.supervise --nproc N`; rank N-1 is killed with SIGKILL
-              mid-run; the group restarts from the last checkpoint and must end at the uninterrupted final loss
-Both train the same small fp32 model on the built-in corpus (default config); the uninterrupted N-device run is
-the reference of both. fp32 matmuls at full precision, so only reduction order separates the runs.
+              mid-run; the group restarts from its last finished checkpoint and trains to the end
+Both train the same small fp32 model on the built-in corpus (default config); the uninterrupted N-device run in
+one process is the reference. fp32 matmuls at full precision and, on GPU, XLA's deterministic ops, so only the
+reduction order separates runs on different layouts; MoE routing turns that rounding into chaotic drift after a
+few dozen steps. So the verdicts are: the first `tight_steps` steps after a resume equal the uninterrupted run's
+within `tight_rtol` (the resumed state is the saved one), and later steps are reported as a drift curve (the largest
+relative loss difference in each block of 10 steps), not judged. The supervisor's same-layout uninterrupted run
+is its own first attempt: the steps between the checkpoint it resumes from and the kill ran there already.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import subprocess
@@ -30,7 +36,9 @@ class RunPlan:
     rows: int = 16  # sequences per step (must split over every device count used)
     seq_len: int = 128
     kill_at: int = 45  # heartbeat step at which the supervisor drill kills a rank
-    rtol: float = 1e-4
+    tight_steps: int = 3  # steps after a resume that must equal the uninterrupted run's
+    tight_rtol: float = 1e-5
+    drift_block: int = 10  # steps per point of the drift curve
 
     def overrides(self) -> list[str]:
         s = self
@@ -47,8 +55,14 @@ def train_command(workdir: str, plan: RunPlan, devices: int) -> list[str]:
             f"--workdir={workdir}", f"--config.mesh.num_devices={devices}", *plan.overrides()]
 
 
-def _env(extra: dict | None = None) -> dict:
+DETERMINISTIC_GPU = "--xla_gpu_deterministic_ops=true"  # no atomics in scatter-adds / reductions: reruns repeat
+
+
+def _env(extra: dict | None = None, *, gpu: bool = False) -> dict:
     env = dict(os.environ, JAX_DEFAULT_MATMUL_PRECISION="highest", PYTHONUNBUFFERED="1")
+    if gpu:
+        flags = env.get("XLA_FLAGS", "").split()
+        env["XLA_FLAGS"] = " ".join(flags + ([DETERMINISTIC_GPU] if DETERMINISTIC_GPU not in flags else []))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     return {**env, **(extra or {})}
 
@@ -69,22 +83,70 @@ def _tail(path: str, chars: int = 1500) -> str:
         return f.read()[-chars:]
 
 
-def _compare(got: dict, want: dict, steps) -> dict:
-    diffs = [abs(got[s] - want[s]) / abs(want[s]) for s in steps if s in got and s in want]
-    missing = [s for s in steps if s not in got]
-    return {"steps_compared": len(diffs), "missing_steps": missing[:10],
-            "max_rel_diff": max(diffs) if diffs else None}
+def read_attempts(workdir: str) -> list[dict[int, float]]:
+    """metrics.jsonl split into the run's starts: a start after a restart logs its steps again from the checkpoint
+    it resumed from, so a step at or below the previous line's begins a new attempt."""
+    attempts: list[dict[int, float]] = []
+    last = None
+    try:
+        with open(os.path.join(workdir, "metrics.jsonl")) as f:
+            for line in f:
+                row = json.loads(line)
+                if "loss" not in row:
+                    continue
+                if last is None or row["step"] <= last:
+                    attempts.append({})
+                attempts[-1][row["step"]] = row["loss"]
+                last = row["step"]
+    except FileNotFoundError:
+        pass
+    return attempts
 
 
-def reference(workdir: str, plan: RunPlan, devices: int, timeout: float) -> dict:
-    code, wall = _train(train_command(workdir, plan, devices), f"{workdir}.log", timeout, _env())
-    out = {"devices": devices, "exit": code, "wall_s": wall}
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+def drift_curve(got: dict, want: dict, steps, block: int) -> list[dict]:
+    """Largest relative loss difference in each block of `block` steps (steps present in both runs)."""
+    out: dict[int, dict] = {}
+    for s in steps:
+        if s in got and s in want:
+            first = (s - 1) // block * block + 1
+            row = out.setdefault(first, {"steps": [first, first + block - 1], "max_rel_diff": 0.0})
+            row["max_rel_diff"] = max(row["max_rel_diff"], _rel(got[s], want[s]))
+    return list(out.values())
+
+
+def tight_check(got: dict, want: dict, steps, rtol: float) -> dict:
+    """Each of `steps` present in both runs and equal within rtol."""
+    steps = list(steps)
+    diffs = {s: _rel(got[s], want[s]) for s in steps if s in got and s in want}
+    missing = [s for s in steps if s not in diffs]
+    worst = max(diffs.values()) if diffs else None
+    return {"steps": steps, "rel_diffs": [diffs.get(s) for s in steps], "missing": missing, "rtol": rtol,
+            "match": bool(diffs) and not missing and worst <= rtol}
+
+
+def checkpoint_dirs(workdir: str) -> dict:
+    """Finished checkpoint steps and anything else left in the checkpoint folder (unfinished Orbax tmp saves)."""
+    try:
+        names = os.listdir(os.path.join(workdir, "checkpoints"))
+    except FileNotFoundError:
+        return {"steps": [], "other": []}
+    return {"steps": sorted(int(n) for n in names if n.isdigit()), "other": sorted(n for n in names if not n.isdigit())}
+
+
+def reference(workdir: str, plan: RunPlan, devices: int, timeout: float, *, gpu: bool = False) -> dict:
+    code, wall = _train(train_command(workdir, plan, devices), f"{workdir}.log", timeout, _env(gpu=gpu))
+    out = {"devices": devices, "processes": 1, "exit": code, "wall_s": wall}
     if code != 0:
         out["error"] = _tail(f"{workdir}.log")
     return out
 
 
-def restore_on_fewer(ref_dir: str, workdir: str, plan: RunPlan, devices: int, fewer: int, timeout: float) -> dict:
+def restore_on_fewer(ref_dir: str, workdir: str, plan: RunPlan, devices: int, fewer: int, timeout: float, *,
+                     gpu: bool = False) -> dict:
     """Copies the reference run, keeps checkpoints up to the middle, resumes on `fewer` devices."""
     resume_at = plan.steps // 2 // plan.checkpoint_every * plan.checkpoint_every
     shutil.copytree(ref_dir, workdir)
@@ -94,21 +156,29 @@ def restore_on_fewer(ref_dir: str, workdir: str, plan: RunPlan, devices: int, fe
             shutil.rmtree(os.path.join(ckpts, name))
     os.remove(os.path.join(workdir, "metrics.jsonl"))
     code, wall = _train(train_command(workdir, plan, devices), f"{workdir}.log", timeout,
-                        _env({"ZAYA_NUM_DEVICES": str(fewer)}))
+                        _env({"ZAYA_NUM_DEVICES": str(fewer)}, gpu=gpu))
     out = {"saved_on_devices": devices, "restored_on_devices": fewer, "resumed_from_step": resume_at,
            "exit": code, "wall_s": wall}
     if code != 0:
         out["error"] = _tail(f"{workdir}.log")
         return out
-    cmp = _compare(read_losses(workdir), read_losses(ref_dir), range(resume_at + 1, plan.steps + 1))
-    out.update(cmp, rtol=plan.rtol, losses_match=cmp["max_rel_diff"] is not None and not cmp["missing_steps"]
-               and cmp["max_rel_diff"] <= plan.rtol)
+    got, want = read_losses(workdir), read_losses(ref_dir)
+    after = range(resume_at + 1, plan.steps + 1)
+    out["first_steps_after_resume"] = tight_check(got, want, after[:plan.tight_steps], plan.tight_rtol)
+    out["drift_vs_reference"] = drift_curve(got, want, after, plan.drift_block)
+    out["finished"] = plan.steps in got
+    out["missing_steps"] = [s for s in after if s not in got][:10]
+    out["resume_matches"] = out["first_steps_after_resume"]["match"] and out["finished"] and not out["missing_steps"]
     return out
 
 
 def supervised_kill(ref_dir: str, workdir: str, plan: RunPlan, nproc: int, timeout: float,
                     platform: str = "auto", devices_per_process: int = 1) -> dict:
-    """N processes under the supervisor; rank nproc-1 killed with SIGKILL at step >= plan.kill_at."""
+    """N processes under the supervisor; rank nproc-1 killed with SIGKILL at step >= plan.kill_at.
+
+    The verdict: the group restarted, resumed from a finished checkpoint at or before the kill, trained to the end,
+    and its first steps after the resume equal the same steps of its own first attempt (same process layout,
+    uninterrupted up to the kill). The 1-process reference gives the layout noise band (not judged)."""
     cmd = [sys.executable, "-m", "launch.supervise", "--nproc", str(nproc), "--devices-per-process",
            str(devices_per_process), "--platform", platform, "--backoff", "0.5", "--startup", str(int(min(timeout, 300))),
            "--", *train_command(workdir, plan, 0)]
@@ -117,22 +187,53 @@ def supervised_kill(ref_dir: str, workdir: str, plan: RunPlan, nproc: int, timeo
     killer = threading.Thread(target=lambda: kill.update(kill_rank_at(workdir, nproc - 1, plan.kill_at, timeout)),
                               daemon=True)
     killer.start()
-    code, wall = _train(cmd, f"{workdir}.log", timeout, _env())
+    code, wall = _train(cmd, f"{workdir}.log", timeout, _env(gpu=platform == "gpu"))
     killer.join(timeout=5)
+    # the supervisor's 'from_step' is the last heartbeat it saw, not the checkpoint the restart resumes from
     out = {"nproc": nproc, "exit": code, "wall_s": wall, "kill": kill, "timeline": timeline(workdir, t0)}
     if code != 0:
         out["error"] = _tail(f"{workdir}.log")
         return out
-    got, want = read_losses(workdir), read_losses(ref_dir)
     restarts = [e for e in out["timeline"] if e["event"] == "restart"]
     out["restarts"] = len(restarts)
     if "time" in kill:
         out["kill"]["t_s"] = round(kill["time"] - t0, 2)
         resumed = next((e for e in out["timeline"] if e["event"] == "start" and e["t_s"] > out["kill"]["t_s"]), None)
         out["recovery_s"] = None if resumed is None else round(resumed["t_s"] - out["kill"]["t_s"], 2)
-    cmp = _compare(got, want, range(1, plan.steps + 1))
-    final = plan.steps
-    out.update(cmp, final_loss=got.get(final), reference_final_loss=want.get(final), rtol=plan.rtol,
-               resumed_and_matched=bool(restarts) and cmp["max_rel_diff"] is not None and not cmp["missing_steps"]
-               and cmp["max_rel_diff"] <= plan.rtol)
+    out.update(_supervised_verdict(workdir, ref_dir, plan, kill.get("at_step")))
+    return out
+
+
+def _supervised_verdict(workdir: str, ref_dir: str, plan: RunPlan, killed_at: int | None) -> dict:
+    attempts, want = read_attempts(workdir), read_losses(ref_dir)
+    out = {"attempts": len(attempts), "checkpoints_left": checkpoint_dirs(workdir)}
+    if len(attempts) < 2:
+        out["resumed_and_matched"] = False
+        out["why_not"] = f"{len(attempts)} start(s) logged steps: no resume to check"
+        return out
+    first, last = attempts[0], attempts[-1]
+    resumed_from = min(last) - 1
+    finished = {}
+    for a in attempts:
+        finished.update(a)
+    # a finished checkpoint (not a restart from scratch): on the save cadence, at or before the first attempt's
+    # last logged step; an unfinished (killed) save stays an Orbax tmp folder and is never resumed from
+    ckpt_ok = 0 < resumed_from <= max(first) and resumed_from % plan.checkpoint_every == 0
+    overlap = [s for s in range(resumed_from + 1, max(first) + 1)][:plan.tight_steps]
+    out.update({
+        "resumed_from_step": resumed_from,
+        "killed_at_step": killed_at,
+        "steps_lost": max(first) - resumed_from,
+        "resumed_from_a_cadence_checkpoint": ckpt_ok,
+        "finished": plan.steps in last and all(s in finished for s in range(1, plan.steps + 1)),
+        "first_steps_after_resume_vs_first_attempt": tight_check(last, first, overlap, plan.tight_rtol),
+        "layout_noise_before_kill": drift_curve(first, want, range(1, max(first) + 1), plan.drift_block),
+        "drift_vs_reference": drift_curve(finished, want, range(1, plan.steps + 1), plan.drift_block),
+        "final_loss": last.get(plan.steps), "reference_final_loss": want.get(plan.steps),
+    })
+    if len(overlap) < plan.tight_steps:
+        out["note"] = (f"only {len(overlap)} step(s) between the resume point and the kill ran in the first attempt; "
+                       f"the tight check covers those")
+    out["resumed_and_matched"] = bool(ckpt_ok and out["finished"] and overlap
+                                      and out["first_steps_after_resume_vs_first_attempt"]["match"])
     return out

@@ -1,6 +1,7 @@
 """The trainer's step on the first k devices, built ahead of time for the scaling runs (launch/scaling.py).
 
-The same pieces as zaya_jax/train/loop.py: mesh (data x context), Muon + AdamW with ZeRO-1, per-device gradients in
+The same builders as zaya_jax/train/loop.py, with the trainer's ParallelConfig defaults: mesh (data x context),
+Muon + AdamW with ZeRO-1, per-device gradients in
 shard_map reduced explicitly (data_parallel.py), zigzag context parallelism (context.py), the jitted
 make_train_step with the state donated. It is lowered from abstract shapes, so several device counts can compile
 at once (XLA compiles on the host, threads overlap) before any of their states takes device memory. Batches are
@@ -28,7 +29,8 @@ from zaya_jax.optim.optimizer import OptimizerConfig, build_optimizer
 from zaya_jax.parallel.context import ContextParallel
 from zaya_jax.parallel.data_parallel import sharded_value_and_grad
 from zaya_jax.parallel.mesh import make_mesh
-from zaya_jax.parallel.sharding import state_shardings, zero1, zero1_spec_fn, zero_axes
+from zaya_jax.parallel.config import ParallelConfig
+from zaya_jax.parallel.sharding import combine_threshold_options, state_shardings, zero1, zero1_spec_fn, zero_axes
 from zaya_jax.parallel.zigzag import Zigzag
 from zaya_jax.train.step import make_local_loss_sums, make_train_step
 
@@ -44,6 +46,7 @@ class StepSpec:
     context_attention: str = "allgather"
     ce_chunk: int | None = None  # chunked head + cross-entropy (not under context parallelism: full logits there)
     capture_grads: bool = False
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)  # the trainer's defaults
     optimizer: OptimizerConfig = dataclasses.field(
         default_factory=lambda: OptimizerConfig(warmup_steps=10, total_steps=1000))
 
@@ -70,10 +73,15 @@ class MeshStep:
     def __init__(self, spec: StepSpec):
         self.spec = spec
         self.mesh = make_mesh(num_devices=spec.devices, context=spec.context)
+        cfg = spec.cfg
+        if cfg.attention_impl == "cudnn" and zero_axes(self.mesh):
+            # cuDNN attention must be lowered with one mesh for the whole program, but the gradients' shard_map
+            # runs on data_parallel.py's (node, data_local) view of the mesh: XLA refuses the program
+            raise ValueError(f"attention_impl='cudnn' cannot run on {spec.devices} devices (the per-device "
+                             f"gradients' shard_map uses a second, hierarchical mesh); use 'xla' or 'pallas'")
         tx = build_optimizer(spec.optimizer, None, log=None)
         tx = capture_grads(tx) if spec.capture_grads else tx
-        self.tx = zero1(tx, self.mesh) if spec.zero1 else tx
-        cfg = spec.cfg
+        self.tx = zero1(tx, self.mesh, muon=spec.parallel.muon_placement) if spec.zero1 else tx
         abstract = nnx.eval_shape(lambda: ZayaForCausalLM(cfg, seed=0))
         self.graphdef = nnx.split(abstract, nnx.Param, BalancingBias)[0]
         shapes = jax.eval_shape(self._create)
@@ -94,7 +102,8 @@ class MeshStep:
         train_step = make_train_step(self.graphdef, self.tx, BalancerConfig(), ce_chunk_tokens=spec.ce_chunk,
                                      grad_fn=grad_fn)
         self.step = jax.jit(train_step, donate_argnums=0,
-                            out_shardings=(self.shardings, NamedSharding(self.mesh, P())))
+                            out_shardings=(self.shardings, NamedSharding(self.mesh, P())),
+                            compiler_options=combine_threshold_options(spec.parallel.bucket_bytes))
         self.compiled = None
         self.compile_s = None
 
