@@ -52,7 +52,7 @@ def _write_metrics(workdir, rows):
 
 
 def test_supervisor_verdict_uses_the_first_attempt_and_the_resume_checkpoint(tmp_path):
-    from zaya_jax.systems.scaling_runs import RunPlan, _supervised_verdict, read_attempts
+    from zaya_jax.systems.scaling_runs import RunPlan, read_attempts, supervised_verdict
     plan = RunPlan(steps=8, checkpoint_every=2, kill_at=5, tight_steps=2)
     ref = [(s, 3.0 - 0.1 * s) for s in range(1, 9)]
     _write_metrics(tmp_path / "ref", ref)
@@ -60,13 +60,13 @@ def test_supervisor_verdict_uses_the_first_attempt_and_the_resume_checkpoint(tmp
     # killed after step 5; the step-4 save was unfinished, so the restart resumed from step 2 and redid 3..5
     _write_metrics(tmp_path / "group", noisy[:5] + noisy[2:])
     assert [sorted(a) for a in read_attempts(str(tmp_path / "group"))] == [[1, 2, 3, 4, 5], list(range(3, 9))]
-    v = _supervised_verdict(str(tmp_path / "group"), str(tmp_path / "ref"), plan, killed_at=5)
+    v = supervised_verdict(str(tmp_path / "group"), str(tmp_path / "ref"), plan, killed_at=5)
     assert (v["resumed_from_step"], v["steps_lost"], v["finished"]) == (2, 3, True)
     assert v["first_steps_after_resume_vs_first_attempt"]["steps"] == [3, 4] and v["resumed_and_matched"], v
     assert v["layout_noise_before_kill"][0]["max_rel_diff"] == pytest.approx(1e-4)
     # a restart that repeats different losses, or that started over from step 0, is not a match
     _write_metrics(tmp_path / "off", noisy[:5] + [(s, v * 1.01) for s, v in noisy[2:]])
-    assert not _supervised_verdict(str(tmp_path / "off"), str(tmp_path / "ref"), plan, 5)["resumed_and_matched"]
+    assert not supervised_verdict(str(tmp_path / "off"), str(tmp_path / "ref"), plan, 5)["resumed_and_matched"]
     _write_metrics(tmp_path / "scratch", noisy[:5] + noisy)
-    v = _supervised_verdict(str(tmp_path / "scratch"), str(tmp_path / "ref"), plan, 5)
+    v = supervised_verdict(str(tmp_path / "scratch"), str(tmp_path / "ref"), plan, 5)
     assert v["resumed_from_step"] == 0 and not v["resumed_from_a_cadence_checkpoint"] and not v["resumed_and_matched"]

@@ -200,11 +200,11 @@ def supervised_kill(ref_dir: str, workdir: str, plan: RunPlan, nproc: int, timeo
         out["kill"]["t_s"] = round(kill["time"] - t0, 2)
         resumed = next((e for e in out["timeline"] if e["event"] == "start" and e["t_s"] > out["kill"]["t_s"]), None)
         out["recovery_s"] = None if resumed is None else round(resumed["t_s"] - out["kill"]["t_s"], 2)
-    out.update(_supervised_verdict(workdir, ref_dir, plan, kill.get("at_step")))
+    out.update(supervised_verdict(workdir, ref_dir, plan, kill.get("at_step")))
     return out
 
 
-def _supervised_verdict(workdir: str, ref_dir: str, plan: RunPlan, killed_at: int | None) -> dict:
+def supervised_verdict(workdir: str, ref_dir: str, plan: RunPlan, killed_at: int | None) -> dict:
     attempts, want = read_attempts(workdir), read_losses(ref_dir)
     out = {"attempts": len(attempts), "checkpoints_left": checkpoint_dirs(workdir)}
     if len(attempts) < 2:

@@ -26,11 +26,17 @@ from zaya_jax.model import ZayaForCausalLM
 from zaya_jax.model.base import BalancingBias
 from zaya_jax.optim.balancing import BalancerConfig, init_balancer
 from zaya_jax.optim.optimizer import OptimizerConfig, build_optimizer
+from zaya_jax.parallel.config import ParallelConfig
 from zaya_jax.parallel.context import ContextParallel
 from zaya_jax.parallel.data_parallel import sharded_value_and_grad
 from zaya_jax.parallel.mesh import make_mesh
-from zaya_jax.parallel.config import ParallelConfig
-from zaya_jax.parallel.sharding import combine_threshold_options, state_shardings, zero1, zero1_spec_fn, zero_axes
+from zaya_jax.parallel.sharding import (
+    combine_threshold_options,
+    state_shardings,
+    zero1,
+    zero1_spec_fn,
+    zero_axes,
+)
 from zaya_jax.parallel.zigzag import Zigzag
 from zaya_jax.train.step import make_local_loss_sums, make_train_step
 
