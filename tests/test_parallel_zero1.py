@@ -155,3 +155,24 @@ def test_trainer_step_reduce_scatters_gradients_in_node_then_on_rails_and_gather
     for line in hlo.splitlines():
         m = re.search(r"= (\S+) (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(-start)?\(", line)
         assert not (m and any(t in m.group(1) for t in global_tokens)), line
+
+
+
+@pytest.fixture(scope="module")
+def one_device_losses(tmp_path_factory):
+    from test_parallel_train import train
+    return train(str(tmp_path_factory.mktemp("one_device")), devices=1, steps=2)[0]
+
+
+@pytest.mark.parametrize("data,context,attention", [(1, 2, "allgather"), (1, 4, "ring"), (2, 2, "allgather")])
+def test_trainer_with_zero1_over_context_trains_like_one_device(one_device_losses, tmp_path, data, context,
+                                                               attention):
+    """The real trainer (own process, as tests/test_parallel_train.py runs it) with ZeRO-1 and context parallelism,
+    data = 1 included: the gradients' ZeRO-1 layout then splits only 'context', and their reduction must not leave
+    them varying over the (size-1) node axis."""
+    from test_parallel_train import train
+    got, outs = train(str(tmp_path), devices=data * context, context=context, attention=attention, steps=2)
+    axes = "'context'," if data == 1 else "'data', 'context'"
+    assert f"ZeRO-1 over ({axes}), {data * context} shards" in outs[0], outs[0]
+    assert sorted(got) == sorted(one_device_losses) == [1, 2]
+    np.testing.assert_allclose([got[s] for s in (1, 2)], [one_device_losses[s] for s in (1, 2)], rtol=1e-5)

@@ -50,9 +50,13 @@ def _reduce(g, spec: P):
         return hierarchical_psum(g, INNER)
     split = spec[dim] if isinstance(spec[dim], tuple) else (spec[dim],)
     inner = tuple(a for a in INNER if a in split)
-    rest = tuple(a for a in INNER if a not in split)  # in-node axes the layout does not split (size 1)
+    # axes the layout does not split have size 1 (the ZeRO group is every batch axis > 1); summing over them
+    # costs nothing and marks the gradient invariant over them, as its out_spec says
+    rest = tuple(a for a in (NODE,) + INNER if a not in split)
     if rest:
         g = lax.psum(g, rest)
+    if NODE not in split:  # data = 1 (pure context parallelism): one node, so the in-node step is the whole sum
+        return lax.psum_scatter(g, inner, scatter_dimension=dim, tiled=True)
     return hierarchical_psum_scatter(g, inner, dim)
 
 
