@@ -47,3 +47,12 @@ def test_batch_ramp_in_tokens():
     assert plan.accumulation_at(len(plan.ramp)) == 8
     k = plan.accumulation_schedule()
     assert [int(k(s)) for s in range(len(plan.ramp) + 2)] == list(plan.ramp) + [8, 8]
+
+
+def test_cudnn_attention_on_several_devices_is_named():
+    from zaya_jax.train.loop import setup
+    c = importlib.import_module("configs.default").get_config()
+    c.model.overrides.attention_impl = "cudnn"
+    c.mesh.num_devices = 2
+    with pytest.raises(TrainConfigError, match="attention_impl='cudnn' runs on one device only"):
+        setup(c, log=lambda *_: None)

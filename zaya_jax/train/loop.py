@@ -144,6 +144,11 @@ def setup(config: ConfigDict, *, log=print) -> Setup:
     if os.environ.get("ZAYA_NUM_DEVICES"):  # set by the supervisor when it restarts on fewer devices
         mesh_args["num_devices"] = int(os.environ["ZAYA_NUM_DEVICES"])
     mesh = make_mesh(**mesh_args)
+    if cfg.attention_impl == "cudnn" and mesh.devices.size > 1:
+        # cuDNN's custom call needs one mesh for the whole program, but the per-device gradients run on the
+        # hierarchical (node, data_local) view of it: JAX refuses the mix at lowering
+        raise TrainConfigError("model attention_impl='cudnn' runs on one device only; on several devices use "
+                               "attention_impl='pallas' (the portable flash kernel) or 'xla'")
     log(describe(cfg))
     log(describe_mesh(mesh))
     tok = load_tokenizer(config.data.tokenizer)
