@@ -83,9 +83,9 @@ class AttentionBlocks:
 # CUDA: from the row `launch.tune_kernels` chose on the H200 (benchmarks/tune_h200.json; 8 q / 2 kv heads,
 # d=128): forward q tile 64 with 4 warps. ROCm values are untuned starting points.
 _ATTENTION = {
-    # dk/dv with stacked query heads (dkv_heads > 1) was faster (428 vs 379 TFLOP/s at T=4096) but gave dk 12-16%
-    # off cuDNN on the H200 (benchmarks/attention_bwd_h200.json) while exact in interpret mode: off until understood.
-    "cuda": AttentionBlocks(fwd_q=64, fwd_warps=4),
+    # dk/dv with 2 stacked query heads: fwd+bwd 0.90x cuDNN at B=4, T=4096 against 0.82x unstacked
+    # (benchmarks/attention_bwd_h200.json; dk now gathered row by row, see _attention_kernels.py)
+    "cuda": AttentionBlocks(fwd_q=64, fwd_warps=4, dkv_q=32, dkv_heads=2),
     # MI300X: 64-lane wavefronts (4 waves = 256 lanes), AMD's Triton pipeliner wants num_stages 1-2.
     "rocm": AttentionBlocks(fwd_q=128, fwd_k=64, fwd_warps=4, fwd_stages=1, dq_q=128, dq_k=64, dq_warps=4,
                             dq_stages=1, dkv_q=64, dkv_k=128, dkv_warps=4, dkv_stages=1),
@@ -98,9 +98,10 @@ _ATTENTION = {
 
 # Long query sequences (q_len >= the key): fields that replace the table's. On the H200 at B=1, T=32768
 # (benchmarks/tune_h200.json) the forward with 128-row tiles and 8 warps took 4.96 ms against 5.50 ms for the
-# 4k-tuned 64-row tiles (dk/dv stays unstacked, see the CUDA row above).
+# 4k-tuned 64-row tiles; dk/dv with 16 positions x 4 stacked heads: 0.77x cuDNN at T=32768 against 0.69x unstacked
+# (benchmarks/attention_bwd_h200.json).
 _ATTENTION_LONG = {
-    "cuda": (16384, dict(fwd_q=128, fwd_warps=8, fwd_heads=1)),
+    "cuda": (16384, dict(fwd_q=128, fwd_warps=8, fwd_heads=1, dkv_q=16, dkv_heads=4)),
 }
 
 
