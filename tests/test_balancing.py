@@ -90,8 +90,12 @@ def test_identical_on_every_data_parallel_rank():
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
     rng, seed = fresh_rng()
     L, E = 2, 4
-    local = jnp.asarray(np.concatenate([rng.integers(0, 50, (8, L, E)), np.zeros((8, L, 1), int)], -1),
-                        jnp.float32)
+    counts = rng.integers(0, 50, (8, L, E))
+    # An expert at exactly the mean load has error 0, whose sign Adam's first step (~ lr * sign) amplifies from the
+    # last ulp of error = load / total - 1/E: XLA's jit and eager division may round it differently. Avoid ties.
+    while (counts.sum(0) * E == counts.sum((0, 2))[:, None]).any():
+        counts[0, 0, 0] += 1
+    local = jnp.asarray(np.concatenate([counts, np.zeros((8, L, 1), int)], -1), jnp.float32)
     biases, state = initial_biases(L, E), init_balancer(L, E)
 
     def per_rank(local_counts, biases, state):
