@@ -18,22 +18,16 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _platform
+from pallas_kernels import _platform, _vma
 
 F32 = jnp.float32
 _NT = (((1,), (1,)), ((), ()))  # a @ bᵀ
 _NN = (((1,), (0,)), ((), ()))  # a @ b
 _TN = (((0,), (0,)), ((), ()))  # aᵀ @ b
-
-
-def _out(shape, dtype, like):
-    """Output struct of a kernel; inside shard_map it varies over the mesh axes its (matched) inputs vary over."""
-    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=getattr(jax.typeof(like), "mat", None))
 
 
 def _precision(dtype):
@@ -100,7 +94,7 @@ def rows_matmul(x, w, tile_group, *, transpose_w: bool, block_n: int, block_k: i
         precision=_precision(x.dtype))
     return pl.pallas_call(
         kernel,
-        out_shape=_out((M, n_out), x.dtype, x),
+        out_shape=_vma.out_struct((M, n_out), x.dtype, x),
         grid=(T * num_col_tiles,),
         compiler_params=_platform.compiler_params(num_warps, num_stages),
         interpret=interpret,
@@ -143,7 +137,7 @@ def group_wgrad(dy, x, group_tile_start, group_tile_count, *, block_rows: int, b
         num_k_tiles=K // block_k, precision=_precision(x.dtype))
     return pl.pallas_call(
         kernel,
-        out_shape=_out((E, n_out, K), x.dtype, x),
+        out_shape=_vma.out_struct((E, n_out, K), x.dtype, x),
         grid=(E * (n_out // block_n) * (K // block_k),),
         compiler_params=_platform.compiler_params(num_warps, num_stages),
         interpret=interpret,

@@ -14,6 +14,7 @@ import functools
 import os
 
 import jax
+import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
 
@@ -176,6 +177,16 @@ def norm_launch(block_d: int, phase: str = "fwd") -> NormLaunch:
     if phase not in ("fwd", "bwd"):
         raise ValueError(f"norm phase must be 'fwd' or 'bwd', got {phase!r}")
     return _NORM[vendor()][phase].launch(block_d)
+
+
+def pad_to_multiple(x, axis: int, multiple: int):
+    """x zero-padded at the end of `axis` to a whole number of `multiple` (unchanged when it already is)."""
+    extra = -x.shape[axis] % multiple
+    if not extra:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths)
 
 
 def compute_units() -> int:

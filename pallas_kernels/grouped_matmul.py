@@ -24,8 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _grouped_kernels as kern
-from pallas_kernels import _platform
-from zaya_jax.ops.grouped_matmul import sum_to_type_of, vary_like, varying_axes
+from pallas_kernels import _platform, _vma
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,11 +108,7 @@ def _wgrad(dy, x, tile_group, num_groups: int, t: GroupedTiling, interpret: bool
 # are made varying like the tokens, and their gradients summed back over those axes in the backward.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _gmm(x, w, tile_group, tiling, interpret):
-    return _forward(*vary_like((x, w, tile_group), _axes(x, w, tile_group)), tiling, interpret)
-
-
-def _axes(*arrays):
-    return frozenset().union(*map(varying_axes, arrays))
+    return _forward(*_vma.vary_to_union(x, w, tile_group), tiling, interpret)
 
 
 def _gmm_fwd(x, w, tile_group, tiling, interpret):
@@ -122,22 +117,13 @@ def _gmm_fwd(x, w, tile_group, tiling, interpret):
 
 def _gmm_bwd(tiling, interpret, res, dy):
     x, w, tile_group = res
-    xv, wv, tgv, dy = vary_like((x, w, tile_group, dy.astype(x.dtype)), _axes(x, w, tile_group, dy))
+    xv, wv, tgv, dy = _vma.vary_to_union(x, w, tile_group, dy.astype(x.dtype))
     dx = _dgrad(dy, wv, tgv, tiling, interpret)
     dw = _wgrad(dy, xv, tgv, w.shape[0], tiling, interpret)
-    return sum_to_type_of(dx, x), sum_to_type_of(dw, w), None
+    return _vma.sum_to_type_of(dx, x), _vma.sum_to_type_of(dw, w), None
 
 
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
-
-
-def _pad_axis(a, axis: int, multiple: int):
-    extra = -a.shape[axis] % multiple
-    if not extra:
-        return a
-    widths = [(0, 0)] * a.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(a, widths)
 
 
 @functools.partial(jax.jit, static_argnames=("tiling", "interpret"))
@@ -164,8 +150,8 @@ def grouped_matmul(x, w, tile_group, *, tiling: GroupedTiling | None = None, int
     interpret = _platform.interpret() if interpret is None else interpret
     in_multiple = max(t.fwd_k, t.dgrad_n, t.wgrad_k)  # every block that walks `in` divides it (powers of two)
     out_multiple = max(t.fwd_n, t.dgrad_k, t.wgrad_n)
-    xp = _pad_axis(x, 1, in_multiple)
-    wp = _pad_axis(_pad_axis(w, 2, in_multiple), 1, out_multiple)
+    xp = _platform.pad_to_multiple(x, 1, in_multiple)
+    wp = _platform.pad_to_multiple(_platform.pad_to_multiple(w, 2, in_multiple), 1, out_multiple)
     y = _gmm(xp, wp, tile_group.astype(jnp.int32), t, interpret)
     return y[:, :n_out]
 

@@ -189,15 +189,6 @@ def _tile_of_program(p, whole_programs):
     return jnp.where(p < whole_programs, p, whole_programs + lax.div(extra, 2)), lax.rem(extra, 2)
 
 
-def _pad_to(x, axis: int, multiple: int):
-    extra = -x.shape[axis] % multiple
-    if not extra:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(x, widths)
-
-
 @functools.partial(jax.jit, static_argnames=("alpha", "beta", "diag", "tiling", "interpret"))
 def symmetric_gram(x, addend=None, *, alpha: float = 1.0, beta: float = 1.0, diag: float = 0.0,
                    tiling: GramTiling | None = None, interpret: bool | None = None):
@@ -225,7 +216,7 @@ def _gram_local(x, addend, config):
     tile = min(tiling.tile, tile_cols)
     tile_k = min(tiling.tile_k, max(16, pl.next_power_of_2(k)))
     xb = x.reshape((math.prod(batch), m, k))
-    xb = _pad_to(_pad_to(xb, 1, tile_cols), 2, tile_k)
+    xb = _platform.pad_to_multiple(_platform.pad_to_multiple(xb, 1, tile_cols), 2, tile_k)
     _, mp, kp = xb.shape
     num_col_blocks = mp // tile_cols
     precision = lax.Precision.HIGHEST if jnp.dtype(x.dtype) == jnp.float32 else None
@@ -246,7 +237,7 @@ def _gram_local(x, addend, config):
     square = pl.BlockSpec((None, mp, mp), matrix_of)
     operands, in_specs = [xb], [pl.BlockSpec((None, mp, kp), matrix_of)]
     if addend is not None:
-        operands.append(_pad_to(_pad_to(addend.reshape((xb.shape[0], m, m)), 1, tile_cols), 2, tile_cols))
+        operands.append(_platform.pad_to_multiple(_platform.pad_to_multiple(addend.reshape((xb.shape[0], m, m)), 1, tile_cols), 2, tile_cols))
         in_specs.append(square)
     out = pl.pallas_call(
         kernel,

@@ -24,6 +24,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels._vma import sum_to_type_of
+
 
 class TileLayout(NamedTuple):
     src: jax.Array  # [Np] int32
@@ -59,23 +61,6 @@ def tile_layout(index, num_groups: int, block_rows: int) -> TileLayout:
     src = jnp.full((n_pad,), n, jnp.int32).at[dst].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
     tile_group = jnp.searchsorted(tile_end, jnp.arange(n_pad // bm, dtype=tile_end.dtype), side="right")
     return TileLayout(src=src, dst=dst, tile_group=tile_group.astype(jnp.int32))
-
-
-def varying_axes(a) -> frozenset:
-    """Mesh axes `a` varies over inside shard_map (empty outside, or where this jax does not track them)."""
-    return frozenset(getattr(getattr(jax.typeof(a), "mat", None), "varying", ()))
-
-
-def vary_like(arrays, union: frozenset):
-    """Each array made varying over all of `union` (shard_map's check_vma needs one type for a kernel's inputs)."""
-    return [jax.lax.pcast(a, tuple(sorted(union - varying_axes(a))), to="varying") for a in arrays]
-
-
-def sum_to_type_of(cotangent, primal):
-    """A cotangent varying over axes its primal does not is summed over them: the transpose of the implicit
-    broadcast of an invariant primal to varying values (what autodiff inserts for ordinary primitives)."""
-    extra = varying_axes(cotangent) - varying_axes(primal)
-    return jax.lax.psum(cotangent, tuple(sorted(extra))) if extra else cotangent
 
 
 @jax.custom_vjp
@@ -130,4 +115,4 @@ def block_rows(dtype, *, tiling=None) -> int:
 
 
 __all__ = ["TileLayout", "block_rows", "gather_rows", "grouped_matmul", "grouped_matmul_reference", "padded_rows",
-           "sum_to_type_of", "tile_layout", "vary_like", "varying_axes"]
+           "tile_layout"]
