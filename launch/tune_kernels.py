@@ -28,10 +28,10 @@ warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecat
 
 from pallas_kernels import _bench as bench
 from pallas_kernels import _platform
-from pallas_kernels._platform import AttentionBlocks, NormLaunch
+from pallas_kernels import _tune_norm as tune_norm
+from pallas_kernels._platform import AttentionBlocks
 
 H, KV, D = 8, 2, 128
-NORM_ROWS, NORM_D = 16384, 2048  # the shape behind bench_kernels' rmsnorm_vs_copy_bandwidth ratio
 
 # Per pass: (fields replaced in the table's entry). Stacked heads (`*_heads`) put 128 query rows of 32-64
 # positions in a tile (finer causal tiles), and in dk/dv widen the query side of the matmuls beyond 32.
@@ -65,14 +65,6 @@ ATTENTION_CANDIDATES = {
     ],
 }
 LONG_SHAPE_TOP = 3  # fastest configs per pass re-timed at T=32768
-
-# NormLaunch(rows per step, num_warps, programs per compute unit, num_stages) at D=2048.
-NORM_CANDIDATES = {
-    "fwd": [NormLaunch(1, 8, 8, 1), NormLaunch(1, 16, 2, 1), NormLaunch(1, 8, 4, 1), NormLaunch(2, 16, 4, 1),
-            NormLaunch(1, 8, 8, 2), NormLaunch(1, 4, 8, 1)],
-    "bwd": [NormLaunch(1, 8, 4, 1), NormLaunch(1, 8, 2, 1), NormLaunch(1, 16, 2, 1), NormLaunch(2, 16, 2, 1),
-            NormLaunch(1, 8, 4, 2), NormLaunch(1, 16, 1, 1), NormLaunch(1, 4, 8, 1)],
-}
 
 # Share of the budget after which each stage stops starting new candidates.
 STAGE_END = {"baselines": 0.12, "norm": 0.25, "attention_short": 0.62, "attention_long": 0.82}
@@ -119,65 +111,6 @@ def attention_baselines(shapes, cuda: bool):
             entry[f"{impl}_fwd_ms"], entry[f"{impl}_fwdbwd_ms"] = t_f * 1e3, t_fb * 1e3
             print(f"  {impl:5s} B={B} T={T:6d}: fwd {t_f * 1e3:7.3f} ms, fwd+bwd {t_fb * 1e3:7.3f} ms", flush=True)
         out[f"T{T}"] = dict(B=B, T=T, **entry)
-    return out
-
-
-# --------------------------------------------------------------------------------------------------------- norms
-def tune_norm(clock: Clock, rows: int, d: int, copy_tbps: float):
-    p = bench.norm_problem(rows, d)
-    results, best = {}, {}
-    for phase, launches in NORM_CANDIDATES.items():
-        rows_out = []
-        for launch in launches:
-            if not clock.open("norm") and rows_out:
-                rows_out.append(dict(dataclasses.asdict(launch), skipped="budget"))
-                continue
-            t, err = _try(bench.time_norm_pass, p, phase, launch)
-            row = dict(dataclasses.asdict(launch))
-            if err:
-                row["error"] = err
-            else:
-                tbps = rows * d * bench.NORM_PASS_BYTES[phase] / t / 1e12
-                row.update(ms=t * 1e3, tbps=tbps, vs_copy=tbps / copy_tbps)
-                print(f"  norm {phase} {launch}: {t * 1e3:.4f} ms {tbps:.2f} TB/s ({tbps / copy_tbps:.2f} copy)",
-                      flush=True)
-            rows_out.append(row)
-        timed = [r for r in rows_out if "ms" in r]
-        results[phase] = rows_out
-        if timed:
-            fastest = min(timed, key=lambda r: r["ms"])
-            best[phase] = NormLaunch(**{f.name: fastest[f.name] for f in dataclasses.fields(NormLaunch)})
-    return p, results, best
-
-
-def _time_merge_variant(p, name: str, tuning: dict | None) -> float:
-    if tuning is None:
-        return bench.time_merge_fwd_bwd(p, "xla" if name == "xla" else "pallas")
-    with _platform.norm_tuning_override(tuning["fwd"], tuning["bwd"]):
-        return bench.time_merge_fwd_bwd(p, "pallas")
-
-
-def norm_end_to_end(p, rows: int, d: int, copy_tbps: float, best: dict):
-    """Forward + backward of the fused merge with the current table, with the tuned rows, and XLA's fusion."""
-    nbytes = rows * d * (bench.NORM_PASS_BYTES["fwd"] + bench.NORM_PASS_BYTES["bwd"])
-    block_d = _platform.next_pow2(d)
-    out = {}
-    variants = [("pallas_table", None), ("xla", None)]
-    if len(best) == 2:
-        variants.insert(1, ("pallas_tuned", {ph: _platform.norm_tuning_of(L, block_d) for ph, L in best.items()}))
-    for name, tuning in variants:
-        t, err = _try(_time_merge_variant, p, name, tuning)
-        if err:
-            out[name] = dict(error=err)
-            continue
-        tbps = nbytes / t / 1e12
-        out[name] = dict(ms=t * 1e3, tbps=tbps, vs_copy=tbps / copy_tbps)
-        print(f"  merge fwd+bwd {name:13s}: {t * 1e3:.4f} ms {tbps:.2f} TB/s ({tbps / copy_tbps:.3f} copy)",
-              flush=True)
-    if "ms" in out.get("xla", {}):
-        for name in ("pallas_table", "pallas_tuned"):
-            if "ms" in out.get(name, {}):
-                out[name]["vs_xla"] = out["xla"]["ms"] / out[name]["ms"]
     return out
 
 
@@ -279,7 +212,7 @@ def main():
             json.dump(report, f, indent=1, default=str)
 
     short, long = ((1, 256), (1, 512)) if args.quick else ((4, 4096), (1, 32768))
-    norm_rows, norm_d = (256, 256) if args.quick else (NORM_ROWS, NORM_D)
+    norm_rows, norm_d = (256, 256) if args.quick else (tune_norm.ROWS, tune_norm.D)
     table = _platform.attention_blocks(D)
 
     print("baselines", flush=True)
@@ -290,11 +223,9 @@ def main():
     save()
 
     print("norm (fused residual merge + RMSNorm)", flush=True)
-    p, norm_results, norm_best = tune_norm(clock, norm_rows, norm_d, copy)
-    report["norm"] = dict(rows=norm_rows, d=norm_d, passes=norm_results,
-                          best={ph: dataclasses.asdict(L) for ph, L in norm_best.items()})
-    report["norm"]["end_to_end"] = norm_end_to_end(p, norm_rows, norm_d, copy, norm_best)
-    save()
+    report["norm"] = {}
+    norm_best = tune_norm.study(norm_rows, norm_d, copy, tune_norm.QUICK_CANDIDATES if args.quick else
+                                tune_norm.CANDIDATES, lambda: clock.open("norm"), report["norm"], save)
 
     print(f"attention passes at B={short[0]} T={short[1]}", flush=True)
     prob = bench.attention_pass_problem(*short, H, KV, D, table)
@@ -336,9 +267,8 @@ def main():
     vendor = _platform.vendor()
     print(f"table rows for pallas_kernels/_platform.py ({vendor}):")
     print(f'  _ATTENTION["{vendor}"] = {_blocks_literal(tuned)}')
-    if len(norm_best) == 2:
-        rows = {ph: _platform.norm_tuning_of(L, block_d) for ph, L in norm_best.items()}
-        print(f'  _NORM["{vendor}"] = {{"fwd": {rows["fwd"]}, "bwd": {rows["bwd"]}}}')
+    rows = {ph: _platform.norm_tuning_of(L, block_d) for ph, L in norm_best.items()}
+    print(f'  _NORM["{vendor}"] = {{"fwd": {rows["fwd"]}, "bwd": {rows["bwd"]}}}')
     report["table_rows"] = dict(attention=_blocks_literal(tuned),
                                 norm={ph: dataclasses.asdict(_platform.norm_tuning_of(L, block_d))
                                       for ph, L in norm_best.items()})

@@ -28,7 +28,7 @@ from pallas_kernels import _platform
 from pallas_kernels._platform import NormLaunch
 
 ROWS, D = 16384, 2048
-PASS_BYTES = {"fwd": 12, "bwd": 18}
+PASS_BYTES = bench.NORM_PASS_BYTES
 N_PARTIALS = 4  # the merge backward's [D] partial sums per program
 
 # NormLaunch(rows per step, num_warps, programs per compute unit (0: one program per tile), num_stages) at D=2048.
@@ -78,30 +78,21 @@ def _max_rel_err_vs_xla(p, tuning: dict) -> float:
     return max(errs)
 
 
-def run(out_path: str, budget_s: float, quick: bool) -> dict:
-    t0 = time.perf_counter()
-    rows, d = (64, 256) if quick else (ROWS, D)
+def study(rows: int, d: int, copy_tbps: float, candidates: dict, keep_going, report: dict, save) -> dict:
+    """XLA, the table's launches (`old`) and `candidates` per pass, then old vs best end to end, into `report`
+    (save() after each stage). keep_going() -> False: no new candidate starts (the table's rows always run).
+    Returns the fastest launch per pass."""
     block_d = _platform.next_pow2(d)
-    candidates = QUICK_CANDIDATES if quick else CANDIDATES
     old = {ph: _platform.norm_launch(block_d, ph) for ph in ("fwd", "bwd")}
-    report = dict(device=bench.device_summary(), rows=rows, d=d, pass_bytes_per_elem=PASS_BYTES,
+    report.update(rows=rows, d=d, pass_bytes_per_elem=PASS_BYTES,
                   old_launch={ph: dataclasses.asdict(L) for ph, L in old.items()})
-
-    def save():
-        report["elapsed_s"] = time.perf_counter() - t0
-        with open(out_path, "w") as f:
-            json.dump(report, f, indent=1, default=str)
-
-    copy = bench.copy_ceiling_tbps(2 ** 24 if quick else 2 ** 30)
-    report["copy_tbps"] = copy
-    print(f"copy {copy:.2f} TB/s (read + write)", flush=True)
     p = bench.norm_problem(rows, d)
 
     xla_fwd = bench.time_call(bench._norm_fns("merge_rms_norm", "xla")[0], p) * 1e3
     xla_fb = bench.time_merge_fwd_bwd(p, "xla") * 1e3
-    report["xla"] = dict(fwd=_rate(xla_fwd, PASS_BYTES["fwd"], rows, d, copy),
-                         bwd_derived=_rate(xla_fb - xla_fwd, PASS_BYTES["bwd"], rows, d, copy),
-                         fwd_bwd=_rate(xla_fb, sum(PASS_BYTES.values()), rows, d, copy))
+    report["xla"] = dict(fwd=_rate(xla_fwd, PASS_BYTES["fwd"], rows, d, copy_tbps),
+                         bwd_derived=_rate(xla_fb - xla_fwd, PASS_BYTES["bwd"], rows, d, copy_tbps),
+                         fwd_bwd=_rate(xla_fb, sum(PASS_BYTES.values()), rows, d, copy_tbps))
     print(f"xla fwd {xla_fwd:.4f} ms, fwd+bwd {xla_fb:.4f} ms", flush=True)
     save()
 
@@ -115,7 +106,7 @@ def run(out_path: str, budget_s: float, quick: bool) -> dict:
             row = dict(dataclasses.asdict(launch), old=launch == old[phase])
             if phase == "bwd":
                 row["partial_mb"] = _partial_mb(launch, rows, d)
-            if time.perf_counter() - t0 > budget_s and not row["old"]:
+            if not row["old"] and not keep_going():
                 out.append(dict(row, skipped="budget"))
                 continue
             ms, err = _try_ms(bench.time_norm_pass, p, phase, launch)
@@ -123,7 +114,7 @@ def run(out_path: str, budget_s: float, quick: bool) -> dict:
                 row["error"] = err
                 print(f"  {phase} {launch}: {err[:120]}", flush=True)
             else:
-                row.update(_rate(ms, PASS_BYTES[phase], rows, d, copy))
+                row.update(_rate(ms, PASS_BYTES[phase], rows, d, copy_tbps))
                 print(f"  {phase} {launch}: {ms:.4f} ms ({row['vs_copy']:.3f} copy)", flush=True)
             out.append(row)
         passes[phase] = out
@@ -148,7 +139,7 @@ def run(out_path: str, budget_s: float, quick: bool) -> dict:
         if err:
             end_to_end[name] = dict(error=err)
             continue
-        end_to_end[name] = dict(_rate(ms, fb_bytes, rows, d, copy), vs_xla=xla_fb / ms,
+        end_to_end[name] = dict(_rate(ms, fb_bytes, rows, d, copy_tbps), vs_xla=xla_fb / ms,
                                 max_rel_err_vs_xla=_max_rel_err_vs_xla(p, tuning),
                                 table_rows={ph: dataclasses.asdict(t) for ph, t in tuning.items()})
         e = end_to_end[name]
@@ -156,6 +147,24 @@ def run(out_path: str, budget_s: float, quick: bool) -> dict:
               f"rel err {e['max_rel_err_vs_xla']:.1e})", flush=True)
     report["end_to_end"] = end_to_end
     save()
+    return best
+
+
+def run(out_path: str, budget_s: float, quick: bool) -> dict:
+    t0 = time.perf_counter()
+    report = dict(device=bench.device_summary())
+
+    def save():
+        report["elapsed_s"] = time.perf_counter() - t0
+        with open(out_path, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+
+    copy = bench.copy_ceiling_tbps(2 ** 24 if quick else 2 ** 30)
+    report["copy_tbps"] = copy
+    print(f"copy {copy:.2f} TB/s (read + write)", flush=True)
+    rows, d = (64, 256) if quick else (ROWS, D)
+    study(rows, d, copy, QUICK_CANDIDATES if quick else CANDIDATES, lambda: time.perf_counter() - t0 <= budget_s,
+          report, save)
     return report
 
 
