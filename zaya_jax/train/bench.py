@@ -91,12 +91,13 @@ def run(args) -> dict:
 
     import jax
 
+    from pallas_kernels._bench import gemm_ceiling_tflops
     from zaya_jax.config import preset
     from zaya_jax.train import bench_memory, bench_profile
     from zaya_jax.train.bench_hf_driver import HFProcess
     from zaya_jax.train.bench_report import summarize
     from zaya_jax.train.bench_runner import Runner
-    from zaya_jax.train.bench_timing import Clock, gemm_ceiling_tflops
+    from zaya_jax.train.bench_timing import Clock
     from zaya_jax.train.bench_variants import default_variants, extra_variants, select
     from zaya_jax.train.flops import active_matmul_params, flops_per_token
 

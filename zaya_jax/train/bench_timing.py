@@ -1,5 +1,5 @@
-"""Time keeping for the training benchmark: the run's clock and deadlines, the timing loop of one compiled program,
-and the bf16 GEMM ceiling."""
+"""Time keeping for the training benchmark: the run's clock and deadlines, and the timing loop of one compiled
+program (the bf16 GEMM ceiling is the kernels' one: pallas_kernels._bench.gemm_ceiling_tflops)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import statistics
 import time
 
 import jax
-import jax.numpy as jnp
 
 
 class Clock:
@@ -50,18 +49,3 @@ def time_calls(call, steps: int, warmup: int, seconds_left: float, pipelined: bo
         jax.block_until_ready(last)
         out["pipelined_mean_s"] = (time.perf_counter() - t) / steps
     return out
-
-
-def gemm_ceiling_tflops(n: int, reps: int = 10) -> float:
-    """bf16 n^3 GEMM throughput of this device (median of `reps` calls)."""
-    ka, kb = jax.random.split(jax.random.key(0))
-    a = jax.random.normal(ka, (n, n), jnp.bfloat16)
-    b = jax.random.normal(kb, (n, n), jnp.bfloat16)
-    f = jax.jit(lambda a, b: a @ b)
-    f(a, b).block_until_ready()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        f(a, b).block_until_ready()
-        times.append(time.perf_counter() - t)
-    return 2 * n ** 3 / statistics.median(times) / 1e12
