@@ -2,6 +2,7 @@
 values passed unchanged through the lax.cond must alias in place, not be copied into its outputs. On one device
 and under ZeRO-1 on 8 emulated devices (tests/conftest.py)."""
 
+import math
 import re
 
 import jax
@@ -12,11 +13,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zaya_jax.optim.optimizer import OptimizerConfig, build_optimizer
+from zaya_jax.parallel.hlo_comm import ELEMENT_BYTES
 from zaya_jax.parallel.mesh import make_mesh
 from zaya_jax.parallel.sharding import state_shardings, zero1
 
-DTYPE_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
-               "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1}
 COPY = re.compile(r"= (\w+)\[([\d,]*)\]\S* copy\(%([\w.-]+)\)")
 
 
@@ -28,12 +28,9 @@ def data_copy_bytes(hlo_text: str) -> int:
     for dtype, dims, operand in COPY.findall(hlo_text):
         if "broadcast" in operand or operand.startswith("constant"):
             continue
-        size = 1
-        for d in filter(None, dims.split(",")):
-            size *= int(d)
-        if dtype not in DTYPE_BYTES:
+        if dtype not in ELEMENT_BYTES:
             raise ValueError(f"copy of an HLO element type this count does not know: {dtype}")
-        total += size * DTYPE_BYTES[dtype]
+        total += math.prod(int(d) for d in dims.split(",") if d) * ELEMENT_BYTES[dtype]
     return total
 
 
