@@ -47,13 +47,6 @@ def _rel(a, b) -> float:
     return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
 
 
-def _try(fn, *args, **kwargs):
-    try:
-        return fn(*args, **kwargs), None
-    except Exception as e:  # noqa: BLE001 - a variant that does not compile is recorded, not fatal
-        return None, f"{type(e).__name__}: {str(e)[:300]}"
-
-
 def bench_shape(B, T, variants, ref_impl, deadline, report_row, save):
     q, k, v, do = bench._attention_problem(B, T, H, KV, D)
     table = _platform.attention_blocks(D, T)
@@ -75,10 +68,10 @@ def bench_shape(B, T, variants, ref_impl, deadline, report_row, save):
         fwd, fwd_bwd = bench._attention_fns("pallas", blocks)
         fwd_key = tuple(getattr(blocks, f.name) for f in dataclasses.fields(blocks) if f.name.startswith("fwd_"))
         if fwd_key not in fwd_ms:
-            fwd_ms[fwd_key], err = _try(bench.time_call, fwd, q, k, v, reps=5, calls=3)
+            fwd_ms[fwd_key], err = bench.attempt(bench.time_call, fwd, q, k, v, reps=5, calls=3)
         else:
             err = None
-        t_fb, err2 = _try(bench.time_call, fwd_bwd, q, k, v, do, reps=5, calls=3)
+        t_fb, err2 = bench.attempt(bench.time_call, fwd_bwd, q, k, v, do, reps=5, calls=3)
         if err or err2 or fwd_ms[fwd_key] is None:
             report_row[name] = dict(error=err or err2)
             print(f"  {name:13s} T={T}: {err or err2}", flush=True)

@@ -81,15 +81,6 @@ class Clock:
         return self.elapsed() < STAGE_END[stage] * self.budget
 
 
-def _try(fn, *args, **kwargs):
-    """(fn(*args, **kwargs), None), or (None, the error) for a config that does not compile (registers, shared
-    memory): recorded, not fatal."""
-    try:
-        return fn(*args, **kwargs), None
-    except Exception as e:  # noqa: BLE001
-        return None, f"{type(e).__name__}: {str(e)[:200]}"
-
-
 def _key(cfg: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in cfg.items())
 
@@ -103,8 +94,8 @@ def attention_baselines(shapes, cuda: bool):
         impls = (["cudnn"] if cuda else []) + (["xla"] if T <= 8192 else [])
         for impl in impls:
             fwd, fwd_bwd = bench._attention_fns(impl, None)
-            t_f, err = _try(bench.time_call, fwd, q, k, v, reps=5, calls=3)
-            t_fb, err2 = _try(bench.time_call, fwd_bwd, q, k, v, do, reps=5, calls=3)
+            t_f, err = bench.attempt(bench.time_call, fwd, q, k, v, reps=5, calls=3)
+            t_fb, err2 = bench.attempt(bench.time_call, fwd_bwd, q, k, v, do, reps=5, calls=3)
             if err or err2:
                 entry[f"{impl}_error"] = err or err2
                 continue
@@ -121,7 +112,7 @@ def time_pass_configs(clock: Clock, stage: str, prob, phase: str, cfgs, base: At
         if not clock.open(stage) and rows:
             rows.append(dict(cfg, skipped="budget"))
             continue
-        t, err = _try(bench.time_attention_pass, prob, phase, dataclasses.replace(base, **cfg), reps=reps, calls=3)
+        t, err = bench.attempt(bench.time_attention_pass, prob, phase, dataclasses.replace(base, **cfg), reps=reps, calls=3)
         if err:
             rows.append(dict(cfg, error=err))
             print(f"  {phase:3s} {_key(cfg)}: {err[:120]}", flush=True)
@@ -165,8 +156,8 @@ def attention_end_to_end(shapes, variants: dict, baselines: dict):
         entry = {}
         for name, blocks in variants.items():
             fwd, fwd_bwd = bench._attention_fns("pallas", blocks)
-            t_f, err = _try(bench.time_call, fwd, q, k, v, reps=5, calls=3)
-            t_fb, err2 = _try(bench.time_call, fwd_bwd, q, k, v, do, reps=5, calls=3)
+            t_f, err = bench.attempt(bench.time_call, fwd, q, k, v, reps=5, calls=3)
+            t_fb, err2 = bench.attempt(bench.time_call, fwd_bwd, q, k, v, do, reps=5, calls=3)
             if err or err2:
                 entry[name] = dict(error=err or err2)
                 print(f"  {name} T={T}: {err or err2}", flush=True)

@@ -32,6 +32,15 @@ def time_call(fn, *args, reps: int = 7, calls: int = 10, warmup: int = 2) -> flo
     return seconds_per_call(fn, *args, reps=reps, calls=calls, warmup=warmup)
 
 
+def attempt(fn, *args, **kwargs):
+    """(fn(*args, **kwargs), None), or (None, the error's text) when it raises: a config that does not compile
+    (shared memory, registers) is recorded in a sweep, not fatal to the measurements around it."""
+    try:
+        return fn(*args, **kwargs), None
+    except Exception as e:  # noqa: BLE001 - Triton/XLA compile errors come in many types
+        return None, f"{type(e).__name__}: {str(e)[:300]}"
+
+
 def _normal(key, shape, dtype, scale=1.0):
     return (scale * jax.random.normal(key, shape, F32)).astype(dtype)
 
@@ -284,7 +293,7 @@ def device_summary() -> dict:
                 jax_version=jax.__version__, core_count=getattr(dev, "core_count", None))
 
 
-__all__ = ["PASS_FLOPS", "AttentionBlocks", "AttentionPassProblem", "NormLaunch", "attention_flops",
+__all__ = ["PASS_FLOPS", "attempt", "AttentionBlocks", "AttentionPassProblem", "NormLaunch", "attention_flops",
            "attention_pass_problem", "bench_attention", "bench_norms", "norm_problem", "time_attention_pass",
            "time_merge_fwd_bwd", "time_norm_pass",
            "copy_ceiling_tbps", "device_summary", "gemm_ceiling_tflops", "sweep_attention_blocks",

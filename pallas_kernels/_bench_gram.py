@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels._bench import gemm_ceiling_tflops, time_call
+from pallas_kernels._bench import attempt, gemm_ceiling_tflops, time_call
 from pallas_kernels.symmetric_matmul import GramTiling, default_tiling, symmetric_gram
 from zaya_jax.ops.newton_schulz import (QUINTIC_COEFFS, apply_left, gram_reference, newton_schulz,
                                         newton_schulz_step, newton_schulz_step_unfolded)
@@ -85,12 +85,9 @@ def rel_err(a, b) -> float:
 
 
 def _attempt(fn, *args, **timing):
-    """(seconds, None) or (nan, 'error text'): a tiling that does not compile (shared memory, registers) or a
-    variant that fails is reported, not raised, so one failure cannot hide the other measurements."""
-    try:
-        return time_call(fn, *args, **timing), None
-    except Exception as e:  # noqa: BLE001 - Triton/XLA compile errors come in many types
-        return float("nan"), f"{type(e).__name__}: {str(e)[:300]}"
+    """(seconds, None) or (nan, 'error text'): a failing tiling or variant is reported, not raised."""
+    seconds, error = attempt(time_call, fn, *args, **timing)
+    return (float("nan"), error) if error else (seconds, None)
 
 
 def sweep_step(x, tilings=TILINGS, **timing):

@@ -53,10 +53,8 @@ def _partial_mb(launch: NormLaunch, rows: int, d: int) -> float:
 
 
 def _try_ms(fn, *args) -> tuple[float | None, str | None]:
-    try:
-        return fn(*args) * 1e3, None
-    except Exception as e:  # a candidate that fails to compile is reported, not fatal
-        return None, f"{type(e).__name__}: {str(e)[:300]}"
+    seconds, err = bench.attempt(fn, *args)
+    return (None if err else seconds * 1e3), err
 
 
 def _tuning(fwd: NormLaunch, bwd: NormLaunch, block_d: int) -> dict:
