@@ -19,17 +19,31 @@ def read_events(workdir: str) -> list[dict]:
         return []
 
 
-def read_losses(workdir: str) -> dict[int, float]:
-    """step -> loss as metrics.jsonl last logged it (a restarted run logs the steps after its checkpoint again)."""
-    out = {}
+def read_attempts(workdir: str) -> list[dict[int, float]]:
+    """metrics.jsonl split into the run's starts: a start after a restart logs its steps again from the checkpoint
+    it resumed from, so a step at or below the previous line's begins a new attempt."""
+    attempts: list[dict[int, float]] = []
+    last = None
     try:
         with open(os.path.join(workdir, "metrics.jsonl")) as f:
             for line in f:
                 row = json.loads(line)
-                if "loss" in row:
-                    out[row["step"]] = row["loss"]
+                if "loss" not in row:
+                    continue
+                if last is None or row["step"] <= last:
+                    attempts.append({})
+                attempts[-1][row["step"]] = row["loss"]
+                last = row["step"]
     except FileNotFoundError:
         pass
+    return attempts
+
+
+def read_losses(workdir: str) -> dict[int, float]:
+    """step -> loss as metrics.jsonl last logged it (a restarted run logs the steps after its checkpoint again)."""
+    out = {}
+    for attempt in read_attempts(workdir):
+        out.update(attempt)
     return out
 
 

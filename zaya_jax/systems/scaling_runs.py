@@ -16,7 +16,6 @@ is its own first attempt: the steps between the checkpoint it resumes from and t
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 import subprocess
@@ -24,7 +23,7 @@ import sys
 import threading
 import time
 
-from zaya_jax.fault.drill import kill_rank_at, read_losses, timeline
+from zaya_jax.fault.drill import kill_rank_at, read_attempts, read_losses, timeline
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -81,26 +80,6 @@ def _train(cmd, log_path: str, timeout: float, env: dict) -> tuple[int, float]:
 def _tail(path: str, chars: int = 1500) -> str:
     with open(path) as f:
         return f.read()[-chars:]
-
-
-def read_attempts(workdir: str) -> list[dict[int, float]]:
-    """metrics.jsonl split into the run's starts: a start after a restart logs its steps again from the checkpoint
-    it resumed from, so a step at or below the previous line's begins a new attempt."""
-    attempts: list[dict[int, float]] = []
-    last = None
-    try:
-        with open(os.path.join(workdir, "metrics.jsonl")) as f:
-            for line in f:
-                row = json.loads(line)
-                if "loss" not in row:
-                    continue
-                if last is None or row["step"] <= last:
-                    attempts.append({})
-                attempts[-1][row["step"]] = row["loss"]
-                last = row["step"]
-    except FileNotFoundError:
-        pass
-    return attempts
 
 
 def _rel(a: float, b: float) -> float:
