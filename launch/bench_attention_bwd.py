@@ -28,8 +28,9 @@ from pallas_kernels import _platform  # noqa: E402
 H, KV, D = 8, 2, 128
 
 # Variant name -> fields replaced in the table's row for the shape (which includes the long-sequence forward).
-# Variants named split_qXhY / atomic_qXhY fix the dk/dv tiling (dkv_q=X positions x Y stacked heads); the others
-# keep the row's.
+# Variants named split_qXhY / atomic_qXhY fix the dk/dv tiling (dkv_q=X positions x Y stacked heads); fwd_qXkYwZsS[hH]
+# fix the forward's (query x key tile, warps, pipeline stages, stacked heads) and keep the row's backward; the
+# others keep the row's.
 VARIANTS = {
     "split": {},
     "split_q32h2": dict(dkv_q=32, dkv_heads=2),
@@ -39,6 +40,11 @@ VARIANTS = {
     "atomic_q16h2": dict(bwd="atomic", dkv_q=16, dkv_heads=2),
     "atomic_q32h1": dict(bwd="atomic", dkv_q=32, dkv_heads=1),
     "atomic_q16h4": dict(bwd="atomic", dkv_q=16, dkv_heads=4),
+    "fwd_q128k128w8s2": dict(fwd_q=128, fwd_k=128, fwd_warps=8, fwd_stages=2, fwd_heads=1),
+    "fwd_q128k128w8s3": dict(fwd_q=128, fwd_k=128, fwd_warps=8, fwd_stages=3, fwd_heads=1),
+    "fwd_q128k64w8s4": dict(fwd_q=128, fwd_k=64, fwd_warps=8, fwd_stages=4, fwd_heads=1),
+    "fwd_q64k128w8s2h2": dict(fwd_q=64, fwd_k=128, fwd_warps=8, fwd_stages=2, fwd_heads=2),
+    "fwd_q64k64w4s4": dict(fwd_q=64, fwd_k=64, fwd_warps=4, fwd_stages=4, fwd_heads=1),
 }
 
 

@@ -1,7 +1,7 @@
 """Measurements behind `python -m launch.bench_kernels`: ceilings, norm and attention timings, launch sweeps.
 
 Timing: each measurement jits the function, runs it a few times to compile and warm up, then takes the median
-over `reps` repeats of (n back-to-back calls, then block_until_ready) / n. Inputs are fresh random arrays (never
+over `reps` repeats of (n back-to-back calls, then block_until_ready) / n, n large enough for a ~20 ms sample. Inputs are fresh random arrays (never
 zeros) and larger than the L2 cache. Bytes count each input read once and each output written once; attention
 FLOPs count the causal forward as 2*B*T^2*H*d (half of the dense 4*B*T^2*H*d) and forward+backward as 3.5x that.
 """
@@ -21,15 +21,18 @@ from pallas_kernels import _platform, cca_attention, rmsnorm
 from pallas_kernels._platform import AttentionBlocks, NormLaunch
 from zaya_jax.ops import attention as attn_ops
 from zaya_jax.ops import rmsnorm as norm_ops
-from zaya_jax.systems.timing import seconds_per_call
+from zaya_jax.systems.timing import calls_for, seconds_per_call
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 EPS = 1e-5
 
 
-def time_call(fn, *args, reps: int = 7, calls: int = 10, warmup: int = 2) -> float:
-    """Median seconds per call of an already-jitted fn."""
-    return seconds_per_call(fn, *args, reps=reps, calls=calls, warmup=warmup)
+def time_call(fn, *args, reps: int = 7, calls: int = 10, warmup: int = 2, min_sample_s: float = 0.02) -> float:
+    """Median seconds per call of an already-jitted fn. Each sample holds at least `calls` calls and enough of them
+    to last about `min_sample_s`: a 0.1 ms kernel timed over 10 calls would carry the first dispatch's latency
+    (tens of microseconds) as a few percent of its time."""
+    probe = seconds_per_call(fn, *args, reps=1, calls=1, warmup=warmup)
+    return seconds_per_call(fn, *args, reps=reps, calls=max(calls, calls_for(probe, min_sample_s)), warmup=0)
 
 
 def attempt(fn, *args, **kwargs):

@@ -73,13 +73,19 @@ def context_name(seq: int) -> str:
     return f"ctx{seq // 1024}k" if seq % 1024 == 0 else f"ctx{seq}"
 
 
+def main_variant(batch: int, seq: int, gpu: bool) -> Variant:
+    """Our step as the trainer runs it on this platform (the Pallas kernels run, interpreted and slowly, on the CPU
+    too: CPU runs keep XLA's)."""
+    fast = "pallas" if gpu else "xla"
+    return Variant("main", batch, seq, attention_impl="cudnn" if gpu else "xla", moe_impl="pallas" if gpu else "ragged",
+                   muon_gram_impl=fast,
+                   note="our full step: chunked CE, no remat, Muon (symmetric Gram kernel) + AdamW, grouped-GEMM experts")
+
+
 def default_variants(batch: int, seq: int, gpu: bool, long_seq: int, ladder: list[int], accums: list[int],
                      ladder_remat: str = "none") -> tuple[list[Variant], list[Search]]:
     """What the issue asks for, in priority order (compiled and timed in this order), and the memory searches."""
-    attn = "cudnn" if gpu else "xla"
-    fast = "pallas" if gpu else "xla"  # the Pallas kernels run (interpreted, slowly) on the CPU too: keep CPU runs quick
-    main = Variant("main", batch, seq, attention_impl=attn, moe_impl="pallas" if gpu else "ragged", muon_gram_impl=fast,
-                   note="our full step: chunked CE, no remat, Muon (symmetric Gram kernel) + AdamW, grouped-GEMM experts")
+    main = main_variant(batch, seq, gpu)
     r = dataclasses.replace
     vs = [
         main,
@@ -113,9 +119,9 @@ def default_variants(batch: int, seq: int, gpu: bool, long_seq: int, ladder: lis
 
 def extra_variants(batch: int, seq: int, gpu: bool) -> list[Variant]:
     """Exploration, opt-in by name (--variants): measured before, not part of the issue's figures."""
-    attn = "cudnn" if gpu else "xla"
-    main = Variant("main", batch, seq, attention_impl=attn)
+    main = main_variant(batch, seq, gpu)
     r = dataclasses.replace
+    fwd_bwd = r(main, name="fwd_bwd", kind="fwd_bwd")
     return [
         r(main, name="baseline", remat="full", ce_chunk=None, note="full logits, full remat"),
         r(main, name="full_ce", ce_chunk=None, note="main without the chunked CE"),
@@ -124,8 +130,13 @@ def extra_variants(batch: int, seq: int, gpu: bool) -> list[Variant]:
         r(main, name="pallas_attn", attention_impl="pallas", note="main with the Pallas CCA attention"),
         r(main, name="unrolled", scan_layers=False, note="main with the layers unrolled (no lax.scan)"),
         r(main, name="moe_dense", moe_impl="dense", note="every expert on every token (reference dispatch)"),
-        r(main, name="opt_zaya_pallas_gram", kind="opt", muon_gram_impl="pallas",
-          note="Muon with the Pallas symmetric Gram kernel"),
+        r(main, name="opt_zaya_xla_gram", kind="opt", muon_gram_impl="xla", note="Muon with XLA's Gram products"),
+        # forward + backward alone under one change each (the update does not depend on them)
+        r(fwd_bwd, name="fwd_bwd_pallas_norm", norm_impl="pallas", note="fwd_bwd with the fused Pallas norms"),
+        r(fwd_bwd, name="fwd_bwd_pallas_attn", attention_impl="pallas", note="fwd_bwd with the Pallas attention"),
+        r(fwd_bwd, name="fwd_bwd_ce2048", ce_chunk=2048, note="fwd_bwd, CE chunks of 2048 tokens"),
+        r(fwd_bwd, name="fwd_bwd_ce8192", ce_chunk=8192, note="fwd_bwd, CE chunks of 8192 tokens"),
+        r(fwd_bwd, name="fwd_bwd_unrolled", scan_layers=False, note="fwd_bwd with the layers unrolled"),
     ]
 
 
