@@ -40,8 +40,8 @@ def _masks(row0, rows: int, n_rows: int, block_d: int, d: int):
     return row_ok, row_ok[:, None] & col_ok[None, :]
 
 
-def _load_tile(ref, start, rows, mask):
-    return plgpu.load(ref.at[pl.ds(start, rows), :], mask=mask, other=0.0)
+def _load_tile(ref, start, rows, mask, evict=None):
+    return plgpu.load(ref.at[pl.ds(start, rows), :], mask=mask, other=0.0, eviction_policy=evict)
 
 
 def _load_stat(ref, start, rows, row_ok):
@@ -52,8 +52,8 @@ def _load_vec(ref, d):
     return plgpu.load(ref, mask=jnp.arange(ref.shape[0]) < d, other=0.0).astype(F32)[None, :]
 
 
-def _store_tile(ref, start, rows, value, mask):
-    plgpu.store(ref.at[pl.ds(start, rows), :], value.astype(ref.dtype), mask=mask)
+def _store_tile(ref, start, rows, value, mask, evict=None):
+    plgpu.store(ref.at[pl.ds(start, rows), :], value.astype(ref.dtype), mask=mask, eviction_policy=evict)
 
 
 def _store_stat(ref, start, rows, value, row_ok):
@@ -88,17 +88,17 @@ def _sum_rows(x):
 
 
 # ---------------------------------------------------------------------------------------------- forward kernels
-def _rms_fwd_kernel(x_ref, w_ref, y_ref, rstd_ref, *, d, eps, n_rows, rows, n_iters):
+def _rms_fwd_kernel(x_ref, w_ref, y_ref, rstd_ref, *, d, eps, n_rows, rows, n_iters, evict):
     block_d = x_ref.shape[-1]
     w = _load_vec(w_ref, d)
 
     def load(start, row_ok, mask):
-        return _load_tile(x_ref, start, rows, mask)
+        return _load_tile(x_ref, start, rows, mask, evict)
 
     def body(start, row_ok, mask, x, accs):
         x = x.astype(F32)
         rstd = jax.lax.rsqrt(_sum_rows(x * x) / d + eps)
-        _store_tile(y_ref, start, rows, w * (x * rstd), mask)
+        _store_tile(y_ref, start, rows, w * (x * rstd), mask, evict)
         _store_stat(rstd_ref, start, rows, rstd[:, 0], row_ok)
         return accs
 
@@ -106,7 +106,7 @@ def _rms_fwd_kernel(x_ref, w_ref, y_ref, rstd_ref, *, d, eps, n_rows, rows, n_it
 
 
 def _merge_fwd_kernel(b_ref, r_ref, hs_ref, rs_ref, c_ref, w_ref, h_ref, y_ref, rstd_ref, *, d, eps, n_rows, rows,
-                      n_iters):
+                      n_iters, evict):
     """h = branch * hs + residual * rs + c with the biases folded into c = hb * hs + rb * rs (one [D] vector fewer
     held in registers). Padded columns load zeros for every vector, so h is 0 there and the statistics are exact;
     padded rows are never stored."""
@@ -114,33 +114,33 @@ def _merge_fwd_kernel(b_ref, r_ref, hs_ref, rs_ref, c_ref, w_ref, h_ref, y_ref, 
     hs, rs, c, w = (_load_vec(ref, d) for ref in (hs_ref, rs_ref, c_ref, w_ref))
 
     def load(start, row_ok, mask):
-        return _load_tile(b_ref, start, rows, mask), _load_tile(r_ref, start, rows, mask)
+        return _load_tile(b_ref, start, rows, mask, evict), _load_tile(r_ref, start, rows, mask, evict)
 
     def body(start, row_ok, mask, tiles, accs):
         branch, resid = (t.astype(F32) for t in tiles)
         h = branch * hs + resid * rs + c
         rstd = jax.lax.rsqrt(_sum_rows(h * h) / d + eps)
-        _store_tile(h_ref, start, rows, h, mask)
-        _store_tile(y_ref, start, rows, w * (h * rstd), mask)
+        _store_tile(h_ref, start, rows, h, mask, evict)
+        _store_tile(y_ref, start, rows, w * (h * rstd), mask, evict)
         _store_stat(rstd_ref, start, rows, rstd[:, 0], row_ok)
         return accs
 
     _row_loop(n_iters, rows, n_rows, d, block_d, load, body, ())
 
 
-def _layer_fwd_kernel(x_ref, w_ref, bias_ref, y_ref, mean_ref, rstd_ref, *, d, eps, n_rows, rows, n_iters):
+def _layer_fwd_kernel(x_ref, w_ref, bias_ref, y_ref, mean_ref, rstd_ref, *, d, eps, n_rows, rows, n_iters, evict):
     block_d = x_ref.shape[-1]
     w, bias = _load_vec(w_ref, d), _load_vec(bias_ref, d)
 
     def load(start, row_ok, mask):
-        return _load_tile(x_ref, start, rows, mask)
+        return _load_tile(x_ref, start, rows, mask, evict)
 
     def body(start, row_ok, mask, x, accs):
         x = x.astype(F32)
         mean = _sum_rows(x) / d
         xc = jnp.where(mask, x - mean, 0.0)
         rstd = jax.lax.rsqrt(_sum_rows(xc * xc) / d + eps)
-        _store_tile(y_ref, start, rows, w * (xc * rstd) + bias, mask)
+        _store_tile(y_ref, start, rows, w * (xc * rstd) + bias, mask, evict)
         _store_stat(mean_ref, start, rows, mean[:, 0], row_ok)
         _store_stat(rstd_ref, start, rows, rstd[:, 0], row_ok)
         return accs
@@ -161,12 +161,12 @@ def _zeros(rows, block_d, n):
     return (jnp.zeros((rows, block_d), F32),) * n
 
 
-def _rms_bwd_kernel(x_ref, dy_ref, rstd_ref, w_ref, dx_ref, part_ref, *, d, n_rows, rows, n_iters):
+def _rms_bwd_kernel(x_ref, dy_ref, rstd_ref, w_ref, dx_ref, part_ref, *, d, n_rows, rows, n_iters, evict):
     block_d = x_ref.shape[-1]
     w = _load_vec(w_ref, d)
 
     def load(start, row_ok, mask):
-        return (_load_tile(x_ref, start, rows, mask), _load_tile(dy_ref, start, rows, mask),
+        return (_load_tile(x_ref, start, rows, mask, evict), _load_tile(dy_ref, start, rows, mask, evict),
                 _load_stat(rstd_ref, start, rows, row_ok))
 
     def body(start, row_ok, mask, tiles, accs):
@@ -174,7 +174,7 @@ def _rms_bwd_kernel(x_ref, dy_ref, rstd_ref, w_ref, dx_ref, part_ref, *, d, n_ro
         n = x.astype(F32) * rstd
         dy = dy.astype(F32)
         dn = dy * w
-        _store_tile(dx_ref, start, rows, rstd * (dn - n * (_sum_rows(dn * n) / d)), mask)
+        _store_tile(dx_ref, start, rows, rstd * (dn - n * (_sum_rows(dn * n) / d)), mask, evict)
         return (accs[0] + dy * n,)
 
     accs = _row_loop(n_iters, rows, n_rows, d, block_d, load, body, _zeros(rows, block_d, 1))
@@ -182,15 +182,15 @@ def _rms_bwd_kernel(x_ref, dy_ref, rstd_ref, w_ref, dx_ref, part_ref, *, d, n_ro
 
 
 def _merge_bwd_kernel(b_ref, r_ref, dh_ref, dy_ref, rstd_ref, hs_ref, rs_ref, c_ref, w_ref,
-                      db_ref, dr_ref, part_ref, *, d, n_rows, rows, n_iters):
+                      db_ref, dr_ref, part_ref, *, d, n_rows, rows, n_iters, evict):
     """Partial column sums of g * branch, g * residual, g and dy * n (the wrapper adds the bias terms: no select
     per element). Padded rows load rstd = 0 and zero tiles, so their g and n are 0."""
     block_d = b_ref.shape[-1]
     hs, rs, c, w = (_load_vec(ref, d) for ref in (hs_ref, rs_ref, c_ref, w_ref))
 
     def load(start, row_ok, mask):
-        return (_load_tile(b_ref, start, rows, mask), _load_tile(r_ref, start, rows, mask),
-                _load_tile(dh_ref, start, rows, mask), _load_tile(dy_ref, start, rows, mask),
+        return (_load_tile(b_ref, start, rows, mask, evict), _load_tile(r_ref, start, rows, mask, evict),
+                _load_tile(dh_ref, start, rows, mask, evict), _load_tile(dy_ref, start, rows, mask, evict),
                 _load_stat(rstd_ref, start, rows, row_ok))
 
     def body(start, row_ok, mask, tiles, accs):
@@ -201,8 +201,8 @@ def _merge_bwd_kernel(b_ref, r_ref, dh_ref, dy_ref, rstd_ref, hs_ref, rs_ref, c_
         dy = dy.astype(F32)
         dn = dy * w
         g = dh.astype(F32) + rstd * (dn - n * (_sum_rows(dn * n) / d))  # total gradient of the merged residual
-        _store_tile(db_ref, start, rows, g * hs, mask)
-        _store_tile(dr_ref, start, rows, g * rs, mask)
+        _store_tile(db_ref, start, rows, g * hs, mask, evict)
+        _store_tile(dr_ref, start, rows, g * rs, mask, evict)
         return acc_b + g * branch, acc_r + g * resid, acc_g + g, acc_w + dy * n
 
     accs = _row_loop(n_iters, rows, n_rows, d, block_d, load, body, _zeros(rows, block_d, 4))
@@ -210,12 +210,12 @@ def _merge_bwd_kernel(b_ref, r_ref, dh_ref, dy_ref, rstd_ref, hs_ref, rs_ref, c_
 
 
 def _layer_bwd_kernel(x_ref, dy_ref, mean_ref, rstd_ref, w_ref, dx_ref, part_ref, *, d, n_rows, rows,
-                      n_iters):
+                      n_iters, evict):
     block_d = x_ref.shape[-1]
     w = _load_vec(w_ref, d)
 
     def load(start, row_ok, mask):
-        return (_load_tile(x_ref, start, rows, mask), _load_tile(dy_ref, start, rows, mask),
+        return (_load_tile(x_ref, start, rows, mask, evict), _load_tile(dy_ref, start, rows, mask, evict),
                 _load_stat(mean_ref, start, rows, row_ok), _load_stat(rstd_ref, start, rows, row_ok))
 
     def body(start, row_ok, mask, tiles, accs):
@@ -224,7 +224,7 @@ def _layer_bwd_kernel(x_ref, dy_ref, mean_ref, rstd_ref, w_ref, dx_ref, part_ref
         dy = dy.astype(F32)
         dn = dy * w
         dx = rstd * (dn - _sum_rows(dn) / d - xhat * (_sum_rows(dn * xhat) / d))
-        _store_tile(dx_ref, start, rows, dx, mask)
+        _store_tile(dx_ref, start, rows, dx, mask, evict)
         return accs[0] + dy * xhat, accs[1] + dy
 
     accs = _row_loop(n_iters, rows, n_rows, d, block_d, load, body, _zeros(rows, block_d, 2))
@@ -258,7 +258,8 @@ def _rows_call(kernel, name, *, rows_in, stats_in, vecs_in, rows_out, n_stats_ou
                  + [_vma.out_struct((n_rows,), F32, like)] * n_stats_out
                  + [_vma.out_struct((programs, n_partials, d), F32, like)] * bool(n_partials))
     outs = pl.pallas_call(
-        functools.partial(kernel, d=d, n_rows=n_rows, rows=rows, n_iters=n_iters, **kernel_kw),
+        functools.partial(kernel, d=d, n_rows=n_rows, rows=rows, n_iters=n_iters,
+                          evict="evict_first" if launch.evict_first else None, **kernel_kw),
         grid=(programs,),
         in_specs=[row_spec] * len(rows_in) + [stat_spec] * len(stats_in) + [vec_spec] * len(vecs_in),
         out_specs=[row_spec] * len(rows_out) + [stat_spec] * n_stats_out + [part_spec] * bool(n_partials),

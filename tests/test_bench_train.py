@@ -43,8 +43,8 @@ def test_selection_and_validation():
     acc = next(v for v in vs if v.name == "accum16")
     assert acc.tokens == 16 * 2 * 4096 and acc.state_key == "zaya_multisteps"
     assert next(v for v in vs if v.name == "accum16_once").state_key == "zaya"
-    chosen, kept = select(vs, searches, extra_variants(2, 4096, True), "main,unrolled,batch6", "")
-    assert [v.name for v in chosen] == ["main", "unrolled"]
+    chosen, kept = select(vs, searches, extra_variants(2, 4096, True), "main,scan,batch6", "")
+    assert [v.name for v in chosen] == ["main", "scan"]
     assert [(s.name, [c.name for c in s.candidates]) for s in kept] == [("largest_batch", ["batch6"])]
     _, kept = select(vs, searches, [], "", "ctx32k")
     assert [s.name for s in kept] == ["largest_batch"]

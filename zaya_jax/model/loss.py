@@ -39,7 +39,7 @@ def next_token_cross_entropy(logits, labels, ignore_index: int = IGNORE_INDEX):
 
 # ---- chunked cross-entropy through the vocabulary head ------------------------------------------------------------
 #
-# The same per-token terms as `token_cross_entropy_terms(hidden @ head^T + bias, ...)`, summed, without ever holding
+# The same per-token terms as `token_cross_entropy_terms(head_logits(hidden, head, bias), ...)`, summed, without holding
 # the [N, V] fp32 logits (V = 262272: 1 GiB per 1024 tokens) or their gradient: tokens go through the head in chunks
 # under lax.scan. When differentiated, each chunk's gradient is formed right there (Liger-style fused linear
 # cross-entropy): d logits = mask * (softmax - onehot), in the compute dtype, feeds the two head-gradient GEMMs
@@ -62,9 +62,18 @@ def _head_chunks(hidden, targets, mask, chunk_tokens: int):
             _pad_chunks(mask.astype(jnp.float32), n_chunks, chunk))
 
 
-def _chunk_logits(h, w, bias):
-    logits = jnp.einsum("nd,vd->nv", h, w, preferred_element_type=jnp.float32)
-    return logits if bias is None else logits + bias.astype(jnp.float32)
+def head_logits(h, w, bias=None):
+    """fp32 logits of the vocabulary head as Hugging Face's lm_head gives them: one GEMM in the compute dtype with
+    fp32 accumulation (bias added before the single rounding), the result rounded to the compute dtype, then
+    upcast for the fp32 loss. In bf16 that halves the bytes of the largest tensor of the step."""
+    w = w.astype(h.dtype)
+    if bias is None:
+        logits = jnp.einsum("...d,vd->...v", h, w)
+    else:
+        logits = (jnp.einsum("...d,vd->...v", h, w, preferred_element_type=jnp.float32)
+                  + bias.astype(jnp.float32)).astype(h.dtype)
+    return logits.astype(jnp.float32)
+
 
 
 def _chunk_terms(logits, t, m):
@@ -85,7 +94,7 @@ def _head_ce_sum(hidden, weight, bias, targets, mask, chunk_tokens):
 
     def body(total, xs):
         h, t, m = xs
-        return total + _chunk_terms(_chunk_logits(h, w, bias), t, m)[0], None
+        return total + _chunk_terms(head_logits(h, w, bias), t, m)[0], None
 
     return jax.lax.scan(body, _zero_like_tokens(ms), (hs, ts, ms))[0]
 
@@ -104,7 +113,7 @@ def _head_ce_fwd(hidden, weight, bias, targets, mask, chunk_tokens):
     def body(carry, xs):
         total, d_w, d_b = carry
         h, t, m = xs
-        logits = _chunk_logits(h, w, bias)
+        logits = head_logits(h, w, bias)
         terms, log_z = _chunk_terms(logits, t, m)
         probs = jnp.exp(logits - log_z[:, None])
         onehot = jax.nn.one_hot(t, logits.shape[-1], dtype=jnp.float32)
@@ -141,8 +150,8 @@ def chunked_head_cross_entropy(hidden, weight, targets, mask, *, bias=None, chun
     hidden [..., D] (compute dtype; the head GEMMs run in it with fp32 accumulation), weight [V, D] (any float dtype,
     cast to hidden's; its gradient comes back in its own dtype, accumulated in fp32), targets [...] aligned
     (hidden[t] predicts targets[t]), mask [...] (0 = not counted), bias [V] or None. Equals
-    `token_cross_entropy_terms(logits, targets, mask)` summed, with logits computed as `ZayaForCausalLM.logits` does;
-    peak extra memory is one chunk of fp32 logits (chunk_tokens x V x 4 bytes) instead of all of them."""
+    `token_cross_entropy_terms(head_logits(hidden, weight, bias), targets, mask)` summed (the logits of
+    `ZayaForCausalLM.logits`); peak extra memory is one chunk of fp32 logits (chunk_tokens x V x 4 bytes) instead of all of them."""
     d = hidden.shape[-1]
     flat_mask = mask.reshape(-1).astype(jnp.float32)
     total = _head_ce(hidden.reshape(-1, d), weight, bias, targets.reshape(-1).astype(jnp.int32), flat_mask,

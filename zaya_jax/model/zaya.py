@@ -17,6 +17,7 @@ from zaya_jax.config import ModelConfig
 from zaya_jax.model.base import RMSNormWeight, dtypes, normal_init
 from zaya_jax.model.cca import rope_inv_freq
 from zaya_jax.model.layer import DecoderLayer
+from zaya_jax.model.loss import head_logits
 from zaya_jax.ops import rmsnorm as norm_ops
 
 _FULL_WINDOW = jnp.iinfo(jnp.int32).max
@@ -198,8 +199,6 @@ class ZayaForCausalLM(nnx.Module):
         return self.model.embed_tokens.weight[...] if self.cfg.tie_word_embeddings else self.lm_head.weight[...]
 
     def logits(self, y):
-        """fp32 logits from final hidden states (compute dtype operands, fp32 accumulation)."""
-        logits = jnp.einsum("...d,vd->...v", y, self.head_weight().astype(y.dtype), preferred_element_type=jnp.float32)
-        if self.lm_head is not None and self.lm_head.bias is not None:
-            logits = logits + self.lm_head.bias[...].astype(jnp.float32)
-        return logits
+        """fp32 logits from final hidden states, rounded once to the compute dtype as HF's lm_head returns them."""
+        bias = self.lm_head.bias[...] if self.lm_head is not None and self.lm_head.bias is not None else None
+        return head_logits(y, self.head_weight(), bias)
