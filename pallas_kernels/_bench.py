@@ -190,11 +190,13 @@ def _attention_fns(impl: str, blocks: AttentionBlocks | None):
     return jax.jit(fn), jax.jit(fwd_bwd)
 
 
-def bench_attention(shapes, impls_for, blocks: AttentionBlocks):
+def bench_attention(shapes, impls_for):
+    """Each shape with the library's own tiles for it (the table row of its sequence length)."""
     out = []
     for (B, T, H, KV, d) in shapes:
         q, k, v, do = _attention_problem(B, T, H, KV, d)
-        entry = dict(B=B, T=T, H=H, KV=KV, d=d)
+        blocks = _platform.attention_blocks(d, T)
+        entry = dict(B=B, T=T, H=H, KV=KV, d=d, blocks=dataclasses.asdict(blocks))
         for impl in impls_for(T):
             fwd, fwd_bwd = _attention_fns(impl, blocks)
             try:

@@ -5,8 +5,10 @@ tile per loop step, where block_d = next power of two >= D and the edges are mas
   * A row is read from memory once: its statistics are taken from registers in that single pass, accumulated in
     fp32 (the LayerNorm variance is centred in registers, the exact form of what a streaming Welford update
     approximates).
-  * The [D] parameter vectors are loaded once per program, not once per row: re-reading them per row would move
-    several times more bytes through L2 than the rows themselves move through HBM.
+  * The [D] parameter vectors are loaded once per program, not once per row: re-reading them per row moves more
+    bytes through the caches than the rows move through HBM. The residual merge holds four of them (32 KiB of
+    registers per program at D=2048), which caps the programs per compute unit; its launch may re-read them per
+    step instead (NormLaunch.hold_vectors=False) to trade cache traffic for occupancy.
   * The next tile is loaded one step ahead (carried through the loop), so its memory traffic overlaps the current
     tile's reductions.
   * The backward keeps per-column partial sums of the parameter gradients in registers as [rows, block_d] tiles
@@ -40,8 +42,8 @@ def _masks(row0, rows: int, n_rows: int, block_d: int, d: int):
     return row_ok, row_ok[:, None] & col_ok[None, :]
 
 
-def _load_tile(ref, start, rows, mask, evict=None):
-    return plgpu.load(ref.at[pl.ds(start, rows), :], mask=mask, other=0.0, eviction_policy=evict)
+def _load_tile(ref, start, rows, mask):
+    return plgpu.load(ref.at[pl.ds(start, rows), :], mask=mask, other=0.0)
 
 
 def _load_stat(ref, start, rows, row_ok):
@@ -52,8 +54,17 @@ def _load_vec(ref, d):
     return plgpu.load(ref, mask=jnp.arange(ref.shape[0]) < d, other=0.0).astype(F32)[None, :]
 
 
-def _store_tile(ref, start, rows, value, mask, evict=None):
-    plgpu.store(ref.at[pl.ds(start, rows), :], value.astype(ref.dtype), mask=mask, eviction_policy=evict)
+def _vectors(refs, d, hold: bool):
+    """A function returning the [1, D] fp32 parameter vectors: loaded once here (held in registers through the
+    row loop), or loaded again at each call (inside the loop step: cache hits, fewer live registers)."""
+    if hold:
+        held = tuple(_load_vec(ref, d) for ref in refs)
+        return lambda: held
+    return lambda: tuple(_load_vec(ref, d) for ref in refs)
+
+
+def _store_tile(ref, start, rows, value, mask):
+    plgpu.store(ref.at[pl.ds(start, rows), :], value.astype(ref.dtype), mask=mask)
 
 
 def _store_stat(ref, start, rows, value, row_ok):
@@ -88,17 +99,17 @@ def _sum_rows(x):
 
 
 # ---------------------------------------------------------------------------------------------- forward kernels
-def _rms_fwd_kernel(x_ref, w_ref, y_ref, rstd_ref, *, d, eps, n_rows, rows, n_iters, evict):
+def _rms_fwd_kernel(x_ref, w_ref, y_ref, rstd_ref, *, d, eps, n_rows, rows, n_iters):
     block_d = x_ref.shape[-1]
     w = _load_vec(w_ref, d)
 
     def load(start, row_ok, mask):
-        return _load_tile(x_ref, start, rows, mask, evict)
+        return _load_tile(x_ref, start, rows, mask)
 
     def body(start, row_ok, mask, x, accs):
         x = x.astype(F32)
         rstd = jax.lax.rsqrt(_sum_rows(x * x) / d + eps)
-        _store_tile(y_ref, start, rows, w * (x * rstd), mask, evict)
+        _store_tile(y_ref, start, rows, w * (x * rstd), mask)
         _store_stat(rstd_ref, start, rows, rstd[:, 0], row_ok)
         return accs
 
@@ -106,41 +117,42 @@ def _rms_fwd_kernel(x_ref, w_ref, y_ref, rstd_ref, *, d, eps, n_rows, rows, n_it
 
 
 def _merge_fwd_kernel(b_ref, r_ref, hs_ref, rs_ref, c_ref, w_ref, h_ref, y_ref, rstd_ref, *, d, eps, n_rows, rows,
-                      n_iters, evict):
+                      n_iters, hold_vectors):
     """h = branch * hs + residual * rs + c with the biases folded into c = hb * hs + rb * rs (one [D] vector fewer
     held in registers). Padded columns load zeros for every vector, so h is 0 there and the statistics are exact;
     padded rows are never stored."""
     block_d = b_ref.shape[-1]
-    hs, rs, c, w = (_load_vec(ref, d) for ref in (hs_ref, rs_ref, c_ref, w_ref))
+    vectors = _vectors((hs_ref, rs_ref, c_ref, w_ref), d, hold_vectors)
 
     def load(start, row_ok, mask):
-        return _load_tile(b_ref, start, rows, mask, evict), _load_tile(r_ref, start, rows, mask, evict)
+        return _load_tile(b_ref, start, rows, mask), _load_tile(r_ref, start, rows, mask)
 
     def body(start, row_ok, mask, tiles, accs):
+        hs, rs, c, w = vectors()
         branch, resid = (t.astype(F32) for t in tiles)
         h = branch * hs + resid * rs + c
         rstd = jax.lax.rsqrt(_sum_rows(h * h) / d + eps)
-        _store_tile(h_ref, start, rows, h, mask, evict)
-        _store_tile(y_ref, start, rows, w * (h * rstd), mask, evict)
+        _store_tile(h_ref, start, rows, h, mask)
+        _store_tile(y_ref, start, rows, w * (h * rstd), mask)
         _store_stat(rstd_ref, start, rows, rstd[:, 0], row_ok)
         return accs
 
     _row_loop(n_iters, rows, n_rows, d, block_d, load, body, ())
 
 
-def _layer_fwd_kernel(x_ref, w_ref, bias_ref, y_ref, mean_ref, rstd_ref, *, d, eps, n_rows, rows, n_iters, evict):
+def _layer_fwd_kernel(x_ref, w_ref, bias_ref, y_ref, mean_ref, rstd_ref, *, d, eps, n_rows, rows, n_iters):
     block_d = x_ref.shape[-1]
     w, bias = _load_vec(w_ref, d), _load_vec(bias_ref, d)
 
     def load(start, row_ok, mask):
-        return _load_tile(x_ref, start, rows, mask, evict)
+        return _load_tile(x_ref, start, rows, mask)
 
     def body(start, row_ok, mask, x, accs):
         x = x.astype(F32)
         mean = _sum_rows(x) / d
         xc = jnp.where(mask, x - mean, 0.0)
         rstd = jax.lax.rsqrt(_sum_rows(xc * xc) / d + eps)
-        _store_tile(y_ref, start, rows, w * (xc * rstd) + bias, mask, evict)
+        _store_tile(y_ref, start, rows, w * (xc * rstd) + bias, mask)
         _store_stat(mean_ref, start, rows, mean[:, 0], row_ok)
         _store_stat(rstd_ref, start, rows, rstd[:, 0], row_ok)
         return accs
@@ -161,12 +173,12 @@ def _zeros(rows, block_d, n):
     return (jnp.zeros((rows, block_d), F32),) * n
 
 
-def _rms_bwd_kernel(x_ref, dy_ref, rstd_ref, w_ref, dx_ref, part_ref, *, d, n_rows, rows, n_iters, evict):
+def _rms_bwd_kernel(x_ref, dy_ref, rstd_ref, w_ref, dx_ref, part_ref, *, d, n_rows, rows, n_iters):
     block_d = x_ref.shape[-1]
     w = _load_vec(w_ref, d)
 
     def load(start, row_ok, mask):
-        return (_load_tile(x_ref, start, rows, mask, evict), _load_tile(dy_ref, start, rows, mask, evict),
+        return (_load_tile(x_ref, start, rows, mask), _load_tile(dy_ref, start, rows, mask),
                 _load_stat(rstd_ref, start, rows, row_ok))
 
     def body(start, row_ok, mask, tiles, accs):
@@ -174,7 +186,7 @@ def _rms_bwd_kernel(x_ref, dy_ref, rstd_ref, w_ref, dx_ref, part_ref, *, d, n_ro
         n = x.astype(F32) * rstd
         dy = dy.astype(F32)
         dn = dy * w
-        _store_tile(dx_ref, start, rows, rstd * (dn - n * (_sum_rows(dn * n) / d)), mask, evict)
+        _store_tile(dx_ref, start, rows, rstd * (dn - n * (_sum_rows(dn * n) / d)), mask)
         return (accs[0] + dy * n,)
 
     accs = _row_loop(n_iters, rows, n_rows, d, block_d, load, body, _zeros(rows, block_d, 1))
@@ -182,27 +194,28 @@ def _rms_bwd_kernel(x_ref, dy_ref, rstd_ref, w_ref, dx_ref, part_ref, *, d, n_ro
 
 
 def _merge_bwd_kernel(b_ref, r_ref, dh_ref, dy_ref, rstd_ref, hs_ref, rs_ref, c_ref, w_ref,
-                      db_ref, dr_ref, part_ref, *, d, n_rows, rows, n_iters, evict):
+                      db_ref, dr_ref, part_ref, *, d, n_rows, rows, n_iters, hold_vectors):
     """Partial column sums of g * branch, g * residual, g and dy * n (the wrapper adds the bias terms: no select
     per element). Padded rows load rstd = 0 and zero tiles, so their g and n are 0."""
     block_d = b_ref.shape[-1]
-    hs, rs, c, w = (_load_vec(ref, d) for ref in (hs_ref, rs_ref, c_ref, w_ref))
+    vectors = _vectors((hs_ref, rs_ref, c_ref, w_ref), d, hold_vectors)
 
     def load(start, row_ok, mask):
-        return (_load_tile(b_ref, start, rows, mask, evict), _load_tile(r_ref, start, rows, mask, evict),
-                _load_tile(dh_ref, start, rows, mask, evict), _load_tile(dy_ref, start, rows, mask, evict),
+        return (_load_tile(b_ref, start, rows, mask), _load_tile(r_ref, start, rows, mask),
+                _load_tile(dh_ref, start, rows, mask), _load_tile(dy_ref, start, rows, mask),
                 _load_stat(rstd_ref, start, rows, row_ok))
 
     def body(start, row_ok, mask, tiles, accs):
         branch, resid, dh, dy, rstd = tiles
         acc_b, acc_r, acc_g, acc_w = accs
+        hs, rs, c, w = vectors()
         branch, resid = branch.astype(F32), resid.astype(F32)
         n = (branch * hs + resid * rs + c) * rstd
         dy = dy.astype(F32)
         dn = dy * w
         g = dh.astype(F32) + rstd * (dn - n * (_sum_rows(dn * n) / d))  # total gradient of the merged residual
-        _store_tile(db_ref, start, rows, g * hs, mask, evict)
-        _store_tile(dr_ref, start, rows, g * rs, mask, evict)
+        _store_tile(db_ref, start, rows, g * hs, mask)
+        _store_tile(dr_ref, start, rows, g * rs, mask)
         return acc_b + g * branch, acc_r + g * resid, acc_g + g, acc_w + dy * n
 
     accs = _row_loop(n_iters, rows, n_rows, d, block_d, load, body, _zeros(rows, block_d, 4))
@@ -210,12 +223,12 @@ def _merge_bwd_kernel(b_ref, r_ref, dh_ref, dy_ref, rstd_ref, hs_ref, rs_ref, c_
 
 
 def _layer_bwd_kernel(x_ref, dy_ref, mean_ref, rstd_ref, w_ref, dx_ref, part_ref, *, d, n_rows, rows,
-                      n_iters, evict):
+                      n_iters):
     block_d = x_ref.shape[-1]
     w = _load_vec(w_ref, d)
 
     def load(start, row_ok, mask):
-        return (_load_tile(x_ref, start, rows, mask, evict), _load_tile(dy_ref, start, rows, mask, evict),
+        return (_load_tile(x_ref, start, rows, mask), _load_tile(dy_ref, start, rows, mask),
                 _load_stat(mean_ref, start, rows, row_ok), _load_stat(rstd_ref, start, rows, row_ok))
 
     def body(start, row_ok, mask, tiles, accs):
@@ -224,7 +237,7 @@ def _layer_bwd_kernel(x_ref, dy_ref, mean_ref, rstd_ref, w_ref, dx_ref, part_ref
         dy = dy.astype(F32)
         dn = dy * w
         dx = rstd * (dn - _sum_rows(dn) / d - xhat * (_sum_rows(dn * xhat) / d))
-        _store_tile(dx_ref, start, rows, dx, mask, evict)
+        _store_tile(dx_ref, start, rows, dx, mask)
         return accs[0] + dy * xhat, accs[1] + dy
 
     accs = _row_loop(n_iters, rows, n_rows, d, block_d, load, body, _zeros(rows, block_d, 2))
@@ -258,8 +271,7 @@ def _rows_call(kernel, name, *, rows_in, stats_in, vecs_in, rows_out, n_stats_ou
                  + [_vma.out_struct((n_rows,), F32, like)] * n_stats_out
                  + [_vma.out_struct((programs, n_partials, d), F32, like)] * bool(n_partials))
     outs = pl.pallas_call(
-        functools.partial(kernel, d=d, n_rows=n_rows, rows=rows, n_iters=n_iters,
-                          evict="evict_first" if launch.evict_first else None, **kernel_kw),
+        functools.partial(kernel, d=d, n_rows=n_rows, rows=rows, n_iters=n_iters, **kernel_kw),
         grid=(programs,),
         in_specs=[row_spec] * len(rows_in) + [stat_spec] * len(stats_in) + [vec_spec] * len(vecs_in),
         out_specs=[row_spec] * len(rows_out) + [stat_spec] * n_stats_out + [part_spec] * bool(n_partials),
@@ -292,9 +304,10 @@ def rms_forward(x, w, *, eps, out_dtype, launch=None, programs=None):
 def merge_forward(branch, residual, hs, hb, rs, rb, w, *, eps, out_dtype, launch=None, programs=None):
     """-> (h [N, D] fp32, y [N, D] out_dtype, rstd [N] fp32)."""
     d = branch.shape[1]
+    launch = _launch(launch, d, "fwd")
     return _rows_call(_merge_fwd_kernel, "merge_rms_norm_fwd", rows_in=[branch, residual], stats_in=[],
                       vecs_in=[hs, rs, merged_bias(hs, hb, rs, rb), w], rows_out=[F32, out_dtype], n_stats_out=1,
-                      n_partials=0, d=d, launch=_launch(launch, d, "fwd"), programs=programs, eps=eps)
+                      n_partials=0, d=d, launch=launch, programs=programs, eps=eps, hold_vectors=launch.hold_vectors)
 
 
 def layer_forward(x, w, b, *, eps, out_dtype, launch=None, programs=None):
@@ -316,10 +329,11 @@ def rms_backward(x, dy, rstd, w, *, launch=None, programs=None):
 def merge_backward(branch, residual, dh, dy, rstd, hs, hb, rs, rb, w, *, launch=None, programs=None):
     """-> (d_branch, d_residual, sum(g * (branch + hb)), sum(g * (residual + rb)), sum(g), sum(dy * n))."""
     d = branch.shape[1]
+    launch = _launch(launch, d, "bwd")
     d_branch, d_resid, g_branch, g_resid, g_sum, g_w = _rows_call(
         _merge_bwd_kernel, "merge_rms_norm_bwd", rows_in=[branch, residual, dh, dy], stats_in=[rstd],
         vecs_in=[hs, rs, merged_bias(hs, hb, rs, rb), w], rows_out=[branch.dtype, residual.dtype], n_stats_out=0,
-        n_partials=4, d=d, launch=_launch(launch, d, "bwd"), programs=programs)
+        n_partials=4, d=d, launch=launch, programs=programs, hold_vectors=launch.hold_vectors)
     # sum(g * (branch + hb)) = sum(g * branch) + hb * sum(g), likewise for the residual
     return (d_branch, d_resid, g_branch + hb.astype(F32) * g_sum, g_resid + rb.astype(F32) * g_sum, g_sum, g_w)
 

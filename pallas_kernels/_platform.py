@@ -121,12 +121,14 @@ class NormLaunch:
     """Launch of a row-wise norm kernel: each of `programs_per_cu` x (compute units) programs walks a contiguous
     range of rows, `rows` rows (a [rows, block_d] tile) per loop step, with `num_warps` warps. programs_per_cu = 0
     launches one program per tile instead (no loop: many small resident programs hide the memory latency).
-    evict_first: row tiles are loaded and stored as streaming data (read once), which leaves L2 to what is reused."""
+    hold_vectors=False makes the residual merge re-read its four [D] parameter vectors (from cache) on every step
+    instead of holding them in registers for the whole loop: fewer registers per program, so more programs (and
+    bytes in flight) per compute unit."""
     rows: int
     num_warps: int
     programs_per_cu: int = 4
     num_stages: int = 1
-    evict_first: bool = False
+    hold_vectors: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,14 +139,14 @@ class NormTuning:
     lane_elems: int = 8
     programs_per_cu: int = 4
     num_stages: int = 1
-    evict_first: bool = False
+    hold_vectors: bool = True
 
     def launch(self, block_d: int) -> NormLaunch:
         rows = max(1, min(4, self.step_elems // block_d))
         lanes = 64 if vendor() == "rocm" else 32
         warps = max(1, min(16 if lanes == 32 else 8, rows * block_d // (self.lane_elems * lanes)))
         return NormLaunch(rows=rows, num_warps=_pow2_floor(warps), programs_per_cu=self.programs_per_cu,
-                          num_stages=self.num_stages, evict_first=self.evict_first)
+                          num_stages=self.num_stages, hold_vectors=self.hold_vectors)
 
 
 # The [D] parameter vectors (and, in the backward, the [D] partial sums) stay in registers for the whole row loop,
@@ -174,7 +176,7 @@ def norm_tuning_of(launch: NormLaunch, block_d: int) -> NormTuning:
     lanes = 64 if vendor() == "rocm" else 32
     return NormTuning(step_elems=launch.rows * block_d, lane_elems=launch.rows * block_d // (launch.num_warps * lanes),
                       programs_per_cu=launch.programs_per_cu, num_stages=launch.num_stages,
-                      evict_first=launch.evict_first)
+                      hold_vectors=launch.hold_vectors)
 
 
 def norm_launch(block_d: int, phase: str = "fwd") -> NormLaunch:

@@ -35,14 +35,14 @@ def test_selection_and_validation():
     vs, searches = default_variants(2, 4096, gpu=True, long_seq=32768, ladder=[4, 6, 8], accums=[4, 16])
     names = [v.name for v in vs]
     for want in ("main", "fwd", "fwd_bwd", "opt_zaya", "main_adamw", "opt_adamw", "moe_ragged", "accum4",
-                 "accum16", "accum16_once"):
+                 "accum16"):
         assert want in names
+    assert not any(n.endswith("_once") for n in names)  # the trainer's program IS the summed-once update
     assert {s.name: [c.name for c in s.candidates] for s in searches} == {
         "ctx32k": ["ctx32k", "ctx32k_remat_save_dots", "ctx32k_remat_full"],
         "largest_batch": ["batch4", "batch6", "batch8"]}
     acc = next(v for v in vs if v.name == "accum16")
-    assert acc.tokens == 16 * 2 * 4096 and acc.state_key == "zaya_multisteps"
-    assert next(v for v in vs if v.name == "accum16_once").state_key == "zaya"
+    assert acc.tokens == 16 * 2 * 4096 and acc.state_key == "zaya"  # the main step's state: no accumulator in it
     chosen, kept = select(vs, searches, extra_variants(2, 4096, True), "main,scan,batch6", "")
     assert [v.name for v in chosen] == ["main", "scan"]
     assert [(s.name, [c.name for c in s.candidates]) for s in kept] == [("largest_batch", ["batch6"])]
@@ -116,7 +116,7 @@ def test_report_ratios_and_derived_hf_accumulation():
         "main": step(0.4), "main_adamw": step(0.25),
         "fwd": {**step(0.06), "kind": "fwd"}, "fwd_bwd": {**step(0.2), "kind": "fwd_bwd"},
         "opt_zaya": {**step(0.18), "kind": "opt", "tokens_per_s": None},
-        "accum16": step(16 * 0.2 + 0.18, kind="accum", accum=16, accum_update="trainer",
+        "accum16": step(16 * 0.2 + 0.18, kind="accum", accum=16,
                         tokens_per_s=16 * 8192 / (16 * 0.2 + 0.18)),
     }, "hf": {"batch": 2, "seq": 4096,
               "eager": {"median_s": 0.3, "tokens_per_s": 8192 / 0.3, "fwd_bwd_s": 0.25, "optimizer_s": 0.05},
@@ -152,17 +152,16 @@ def test_hf_driver_command_and_a_failed_process(tmp_path):
 
 
 def test_run_end_to_end_on_cpu(tmp_path):
-    args = args_for(tmp_path, "--variants", "main,opt_zaya,accum2,accum2_once,largest_batch", "--accum", "2",
+    args = args_for(tmp_path, "--variants", "main,opt_zaya,accum2,largest_batch", "--accum", "2",
                     "--batch-ladder", "3")
     rep = bench.run(args)
     assert rep["errors"] == {}
     v = rep["variants"]
     assert v["main"]["loss_finite"] and v["main"]["steps_timed"] == 2
-    for name in ("accum2", "accum2_once"):
-        assert v[name]["tokens_per_call"] == 2 * 2 * 32 and v[name]["loss_finite"]
+    assert v["accum2"]["tokens_per_call"] == 2 * 2 * 32 and v["accum2"]["loss_finite"]
     assert rep["searches"]["largest_batch"]["chosen"] == "batch3" and v["batch3"]["batch"] == 3
     assert rep["largest_batch"]["batch"] == 3
-    assert rep["breakdown"]["optimizer_share"] > 0 and "accum2_once" in rep["accumulation"]  # CPU timings: noisy
+    assert rep["breakdown"]["optimizer_share"] > 0 and "accum2" in rep["accumulation"]  # CPU timings: noisy
     assert json.loads((tmp_path / "report.json").read_text())["tokens_per_s"] == rep["tokens_per_s"]
 
 

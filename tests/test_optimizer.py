@@ -1,5 +1,5 @@
-"""The Muon/AdamW partition on the real ZAYA1 parameter tree, the start-up table, schedules, clipping,
-gradient accumulation and learning-rate read-back."""
+"""The Muon/AdamW partition on the real ZAYA1 parameter tree, the start-up table, schedules, clipping and
+learning-rate read-back. (Gradient accumulation lives in the train step: tests/test_train_accumulation.py.)"""
 
 import jax
 import jax.numpy as jnp
@@ -64,10 +64,9 @@ def test_table_counts_and_state_bytes_at_zaya1_8b_size():
     assert sum(r.matrices for r in muon_rows) == 40 * (16 * 2 + 5 + 3)  # experts, q/k/v/v/o, router matrices
     for r in rows:  # Muon keeps one fp32 momentum, AdamW two fp32 moments
         assert r.state_bytes == (4 if r.group == partition.MUON else 8) * r.params, r.path
-    opt_cfg = OptimizerConfig(accumulation_steps=4)
+    opt_cfg = OptimizerConfig()
     tx = build_optimizer(opt_cfg, log=None)
-    # MultiSteps adds an fp32 gradient accumulator for every parameter.
-    buffers = sum(r.state_bytes for r in rows) + 4 * cfg.param_counts()["total"]
+    buffers = sum(r.state_bytes for r in rows)  # no accumulation buffer: the train step accumulates
     assert buffers <= optimizer_state_bytes(params, tx) <= buffers + 4096
     table = partition_table(params, opt_cfg, tx)
     assert "model/layers/mlp/experts/gate_up_proj" in table and "1600 matrices" in table
@@ -129,25 +128,6 @@ def test_gradient_clipping_is_global_over_both_groups():
     assert float(seen) == pytest.approx(1.0, rel=1e-4)
 
 
-def test_gradient_accumulation_equals_one_step_on_the_mean_gradient():
-    params = {"o_proj": {"weight": random_like(jnp.zeros((24, 16)), 4)}, "norm": {"weight": jnp.ones((16,))}}
-    micro = [random_like(params, 10 + i) for i in range(4)]
-    mean = jax.tree.map(lambda *g: sum(g) / 4, *micro)
-    base = dict(schedule="constant", learning_rate=0.05, muon_ns_dtype="float32")
-    acc = build_optimizer(OptimizerConfig(accumulation_steps=4, **base), log=None)
-    one = build_optimizer(OptimizerConfig(**base), log=None)
-    state, p_acc = acc.init(params), params
-    for i, g in enumerate(micro):
-        upd, state = jax.jit(acc.update)(g, state, p_acc)
-        if i < 3:
-            assert all(float(jnp.abs(u).max()) == 0.0 for u in jax.tree.leaves(upd))
-        p_acc = optax.apply_updates(p_acc, upd)
-    upd, _ = one.update(mean, one.init(params), params)
-    p_one = optax.apply_updates(params, upd)
-    for a, b in zip(jax.tree.leaves(p_acc), jax.tree.leaves(p_one)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-
-
 def test_learning_rates_follow_the_schedule():
     cfg = OptimizerConfig(learning_rate=1e-3, warmup_steps=4, total_steps=20, muon_lr_multiplier=2.0)
     params = {"k_proj": {"weight": jnp.zeros((8, 8))}, "bias": jnp.zeros((8,))}
@@ -165,30 +145,3 @@ def test_learning_rates_follow_the_schedule():
 def test_rejects_a_vector_that_matches_a_muon_rule():
     with pytest.raises(ValueError, match="Muon needs matrices"):
         build_optimizer(OptimizerConfig(), {"experts": {"down_proj": jnp.zeros((8,))}}, log=None)
-
-
-def test_accumulation_matches_multisteps_and_runs_the_inner_update_once_per_k():
-    """every_k equals optax.MultiSteps (state and updates, with a k ramp), but the inner update only runs on the
-    k-th microbatch: a counting callback inside the inner transform fires once per optimizer step."""
-    from zaya_jax.optim.accumulate import every_k
-
-    calls = []
-
-    def counting(tx):
-        def update(u, s, p=None):
-            jax.debug.callback(lambda: calls.append(1))
-            return tx.update(u, s, p)
-        return optax.GradientTransformation(tx.init, update)
-
-    params = {"w": random_like(jnp.zeros((8, 6)), 1), "b": jnp.ones((6,))}
-    schedule = lambda step: jnp.where(step < 1, 2, 3)  # noqa: E731  (a batch ramp: k=2, then 3)
-    ours, ref = every_k(counting(optax.adamw(0.1)), schedule), optax.MultiSteps(optax.adamw(0.1), schedule)
-    s_ours, s_ref = ours.init(params), ref.init(params)
-    for i in range(8):  # k: 2, 3, 3 -> updates at microbatches 1, 4, 7
-        g = random_like(params, 20 + i)
-        u_ours, s_ours = jax.jit(ours.update)(g, s_ours, params)
-        u_ref, s_ref = ref.update(g, s_ref, params)
-        for a, b in zip(jax.tree.leaves((u_ours, s_ours)), jax.tree.leaves((u_ref, s_ref))):
-            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-    jax.effects_barrier()
-    assert len(calls) == 3

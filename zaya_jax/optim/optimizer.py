@@ -1,10 +1,11 @@
 """The ZAYA1 optimizer: Muon on the weight matrices, AdamW on the rest (see partition.py), one learning-rate
-schedule for both (Moonlight shape scale), global-norm gradient clipping, gradient accumulation, and the start-up
-table of which parameter goes where with its optimizer-state bytes.
+schedule for both (Moonlight shape scale), global-norm gradient clipping, and the start-up table of which parameter
+goes where with its optimizer-state bytes.
 
     clip_by_global_norm -> partition{muon: inject_hyperparams(muon), adamw: inject_hyperparams(adamw)}
-    wrapped in accumulate.every_k when accumulation_steps > 1 (fp32 accumulator, mean of the micro-gradients, 
-    one inner update per k microbatches).
+
+Gradient accumulation is not the optimizer's business: the train step sums the micro-gradients of an optimizer
+step in one program and calls update once with their mean (zaya_jax/train/step.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from zaya_jax.optim import accumulate, partition
+from zaya_jax.optim import partition
 from zaya_jax.optim.muon import muon
 from zaya_jax.optim.schedules import warmup_cosine, warmup_stable_decay
 
@@ -35,7 +36,6 @@ class OptimizerConfig:
     end_lr_fraction: float = 0.0  # final lr = learning_rate * end_lr_fraction
     weight_decay: float = 0.1  # decoupled, on Muon matrices and decayed AdamW matrices (partition.py)
     clip_norm: float | None = 1.0  # global gradient norm over all parameters; None = no clipping
-    accumulation_steps: int = 1  # micro-batches per optimizer step
     # Muon
     muon_momentum: float = 0.95
     muon_nesterov: bool = True
@@ -78,20 +78,14 @@ def group_transforms(cfg: OptimizerConfig) -> dict[str, optax.GradientTransforma
     return {partition.MUON: muon_tx, partition.ADAMW: adamw_tx}
 
 
-def build_optimizer(cfg: OptimizerConfig, params=None, *, log: Callable[[str], None] | None = print,
-                    accumulation_schedule: Callable | None = None) -> optax.GradientTransformation:
+def build_optimizer(cfg: OptimizerConfig, params=None, *,
+                    log: Callable[[str], None] | None = print) -> optax.GradientTransformation:
     """The full gradient transformation. With `params` (arrays or ShapeDtypeStructs), checks the Muon shapes and
-    logs the partition table. `accumulation_schedule(optimizer_step) -> k` (a batch-size ramp) overrides the
-    fixed accumulation_steps."""
-    if cfg.accumulation_steps < 1:
-        raise ValueError(f"accumulation_steps must be >= 1, got {cfg.accumulation_steps}")
+    logs the partition table."""
     if params is not None:
         partition.check_muon_shapes(params)
     parts = optax.partition(group_transforms(cfg), partition.label_params)
     tx = parts if cfg.clip_norm is None else optax.chain(optax.clip_by_global_norm(cfg.clip_norm), parts)
-    if accumulation_schedule is not None or cfg.accumulation_steps > 1:
-        every_k = accumulation_schedule or cfg.accumulation_steps
-        tx = accumulate.every_k(tx, every_k)
     if params is not None and log is not None:
         log(partition_table(params, cfg, tx))
     return tx
@@ -142,7 +136,7 @@ def partition_rows(params, cfg: OptimizerConfig) -> list[PartitionRow]:
 
 
 def optimizer_state_bytes(params, tx: optax.GradientTransformation) -> int:
-    """Everything tx.init allocates for params: buffers, accumulation buffer, counters, hyperparameters."""
+    """Everything tx.init allocates for params: buffers, counters, hyperparameters."""
     abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
     return _nbytes(jax.eval_shape(tx.init, abstract), arrays_only=False)
 
@@ -169,8 +163,8 @@ def partition_table(params, cfg: OptimizerConfig, tx: optax.GradientTransformati
                    f"{sum(r.params for r in mine):,} parameters, optimizer state "
                    f"{_fmt_bytes(sum(r.state_bytes for r in mine))}")
     tx = tx if tx is not None else build_optimizer(cfg, log=None)
-    out.append(f" total: optimizer state {_fmt_bytes(optimizer_state_bytes(params, tx))} (accumulation buffer and "
-               f"counters included; accumulation_steps={cfg.accumulation_steps}, clip_norm={cfg.clip_norm})")
+    out.append(f" total: optimizer state {_fmt_bytes(optimizer_state_bytes(params, tx))} (counters and "
+               f"hyperparameters included; clip_norm={cfg.clip_norm})")
     return "\n".join(out)
 
 

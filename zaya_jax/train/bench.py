@@ -9,9 +9,8 @@ bench_report the JSON headline and table, bench_profile the optional kernel trac
   (fwd, fwd_bwd, opt_zaya), the same step with AdamW on every parameter (main_adamw, opt_adamw), and with
   lax.ragged_dot experts instead of the grouped-GEMM kernel (moe_ragged). On GPU `main` uses the Pallas
   grouped-GEMM experts and the symmetric Gram kernel in Muon;
-- gradient accumulation over k microbatches of the same batch as ONE compiled program, through the trainer's path
-  (accum{k}: make_train_step + build_optimizer(accumulation_steps=k), the update on the k-th microbatch only) and
-  with the micro-gradients summed in a scan and one update (accum{k}_once: the two should cost the same);
+- gradient accumulation: one optimizer step over k microbatches of the same batch, the trainer's own program
+  (accum{k}: make_accumulating_train_step, the micro-gradients summed in fp32 over a scan, one update);
 - 32k context (batch 1; first of no remat / save_dots / full remat that fits) and the largest batch at the bench
   sequence length (upward from 4), both chosen by XLA's memory analysis before anything runs;
 - in a separate process, transformers' ZayaForCausalLM (bf16, SDPA, grouped_mm experts, fused AdamW) eager and
@@ -24,7 +23,7 @@ its process) concurrently; then HF times and exits; then JAX reserves its memory
 (bench_memory) and times its variants one by one, the 32k and large-batch runs last with only their state resident.
 Every phase has a deadline inside --time-budget and the JSON report is rewritten after each measurement, so a run
 cut short still leaves numbers. Headline keys: tokens_per_s, hf_tokens_per_s, ratio_vs_hf, mfu,
-ratio_vs_hf_same_optimizer, ratio_vs_hf_accum16 (+ _update_once), ratio_labels, breakdown, accumulation,
+ratio_vs_hf_same_optimizer, ratio_vs_hf_accum16, ratio_labels, breakdown, accumulation,
 long_context, largest_batch.
 
 Measured before this version (benchmarks/train_h200.json, bench preset, batch 2 x 4096): main 384.7 ms = 21.3k

@@ -11,10 +11,10 @@ from flax import nnx
 from zaya_jax.config import preset
 from zaya_jax.model import ZayaForCausalLM
 from zaya_jax.model.base import BalancingBias
-from zaya_jax.optim.balancing import BalancerConfig, init_balancer, update_biases
+from zaya_jax.optim.balancing import BalancerConfig, init_balancer
 from zaya_jax.optim.optimizer import OptimizerConfig, build_optimizer
 from zaya_jax.train.bench_variants import Variant
-from zaya_jax.train.step import get_biases, make_loss_fn, make_train_step, with_biases
+from zaya_jax.train.step import make_accumulating_train_step, make_loss_fn, make_train_step
 
 
 def model_config(preset_name: str, v: Variant, dtype: str):
@@ -27,13 +27,12 @@ def model_config(preset_name: str, v: Variant, dtype: str):
 def make_tx(v: Variant) -> optax.GradientTransformation:
     if v.optimizer == "adamw":  # HF's optimizer: torch AdamW (0.9, 0.95, wd 0.1) on every parameter, clipped
         return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-4, b1=0.9, b2=0.95, weight_decay=0.1))
-    k = v.accum if v.kind == "accum" and v.accum_update == "trainer" else 1
-    return build_optimizer(OptimizerConfig(warmup_steps=10, total_steps=1000, muon_gram_impl=v.muon_gram_impl,
-                                           accumulation_steps=k), log=None)
+    return build_optimizer(OptimizerConfig(warmup_steps=10, total_steps=1000, muon_gram_impl=v.muon_gram_impl),
+                           log=None)
 
 
 def make_batch(cfg, batch: int, seq: int, seed: int = 0, accum: int = 0) -> dict:
-    """Random tokens; accum > 0 stacks that many microbatches on a leading axis (the scanned programs)."""
+    """Random tokens; accum > 0 stacks that many microbatches on a leading axis (the accumulating step's input)."""
     lead = (accum,) if accum else ()
     ids = jax.random.randint(jax.random.key(seed), lead + (batch, seq + 1), 3, cfg.vocab_size, dtype=jnp.int32)
     return {"inputs": ids[..., :-1], "targets": ids[..., 1:], "loss_mask": jnp.ones(lead + (batch, seq), jnp.float32),
@@ -61,35 +60,6 @@ def make_state_creator(cfg, tx, seed: int = 0):
     return create
 
 
-def accumulate_then_update(graphdef, tx, balancer: BalancerConfig, ce_chunk: int | None):
-    """k microbatches (batches stacked on axis 0) as one program: forward + backward per microbatch, gradients summed
-    in fp32, the balancing controller once per microbatch (as the trainer does), then ONE optimizer update with the
-    mean gradient (what accumulate.every_k applies every k calls)."""
-    grad_fn = jax.value_and_grad(make_loss_fn(graphdef, False, ce_chunk_tokens=ce_chunk), has_aux=True)
-
-    def program(state, batches):
-        params = state["params"]
-        k = jax.tree.leaves(batches)[0].shape[0]
-
-        def micro(carry, batch):
-            acc, model_state, balancer_state = carry
-            (loss, counts), grads = grad_fn(params, model_state, batch)
-            acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
-            biases, balancer_state, _ = update_biases(get_biases(model_state), balancer_state, counts, balancer)
-            return (acc, with_biases(model_state, biases), balancer_state), loss
-
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        (acc, model_state, balancer_state), losses = jax.lax.scan(
-            micro, (zeros, state["model_state"], state["balancer"]), batches)
-        grads = jax.tree.map(lambda a, p: (a / k).astype(p.dtype), acc, params)
-        updates, opt_state = tx.update(grads, state["opt_state"], params)
-        new_state = {"step": state["step"] + k, "params": optax.apply_updates(params, updates),
-                     "opt_state": opt_state, "model_state": model_state, "balancer": balancer_state}
-        return new_state, {"loss": losses[-1]}
-
-    return program
-
-
 def build_fn(v: Variant, cfg, tx):
     """The jitted program of a variant. Call signatures: step/accum (state, batch) -> (state, metrics), state
     donated; fwd/fwd_bwd (state, batch) -> outputs; opt (params, opt_state, grads) -> (params, opt_state)."""
@@ -97,16 +67,9 @@ def build_fn(v: Variant, cfg, tx):
     balancer = BalancerConfig()
     if v.kind == "step":
         return jax.jit(make_train_step(graphdef, tx, balancer, ce_chunk_tokens=v.ce_chunk), donate_argnums=0)
-    if v.kind == "accum":
-        if v.accum_update == "once":
-            return jax.jit(accumulate_then_update(graphdef, tx, balancer, v.ce_chunk), donate_argnums=0)
-        step = make_train_step(graphdef, tx, balancer, ce_chunk_tokens=v.ce_chunk)
-
-        def trainer_accumulation(state, batches):  # the trainer calls step once per microbatch; here a scan
-            state, metrics = jax.lax.scan(step, state, batches)
-            return state, {"loss": metrics["loss"][-1]}
-
-        return jax.jit(trainer_accumulation, donate_argnums=0)
+    if v.kind == "accum":  # the trainer's step: k microbatches scanned in one program, one update
+        return jax.jit(make_accumulating_train_step(graphdef, tx, balancer, ce_chunk_tokens=v.ce_chunk),
+                       donate_argnums=0)
     loss_fn = make_loss_fn(graphdef, False, ce_chunk_tokens=v.ce_chunk)
     if v.kind == "fwd":
         return jax.jit(lambda state, batch: loss_fn(state["params"], state["model_state"], batch)[0])

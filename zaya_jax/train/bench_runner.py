@@ -251,7 +251,7 @@ class Runner:
     @staticmethod
     def describe(v: Variant, item: dict) -> dict:
         return {"note": v.note, "kind": v.kind, "batch": v.batch, "seq": v.seq, "accum": v.accum,
-                "accum_update": v.accum_update if v.kind == "accum" else None, "tokens_per_call": v.tokens,
+                "tokens_per_call": v.tokens,
                 "attention_impl": v.attention_impl, "remat": v.remat, "moe_impl": v.moe_impl, "ce_chunk": v.ce_chunk,
                 "optimizer": v.optimizer, "compile_s": item.get("compile_s"), "lower_s": item.get("lower_s"),
                 "memory_analysis": item["memory"]}

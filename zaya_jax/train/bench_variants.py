@@ -7,10 +7,6 @@ from __future__ import annotations
 import dataclasses
 
 KINDS = ("step", "fwd", "fwd_bwd", "opt", "accum")
-# how an accumulated step applies the optimizer: 'trainer' = the trainer's path (make_train_step with
-# build_optimizer(accumulation_steps=k), i.e. optim/accumulate.every_k, called once per microbatch); 'once' = the
-# micro-gradients summed in fp32 over a scan and the same optimizer applied once per k microbatches
-ACCUM_UPDATES = ("trainer", "once")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,8 +21,7 @@ class Variant:
     ce_chunk: int | None = 4096  # None: full [B, T, V] logits
     optimizer: str = "zaya"  # 'zaya' (Muon + AdamW, build_optimizer) | 'adamw' (AdamW on every parameter, like HF)
     kind: str = "step"  # see KINDS
-    accum: int = 1  # kind 'accum': microbatches (each batch x seq) in one compiled program
-    accum_update: str = "trainer"  # kind 'accum': see ACCUM_UPDATES
+    accum: int = 1  # kind 'accum': microbatches (each batch x seq) of one optimizer step, the trainer's program
     big: bool = False  # timed last, alone in memory (after the HF process has exited and other states are freed)
     search: str = ""  # name of the memory search this variant is a candidate of ('' = none)
     muon_gram_impl: str = "xla"
@@ -37,8 +32,6 @@ class Variant:
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"variant {self.name}: kind {self.kind!r} not one of {KINDS}")
-        if self.accum_update not in ACCUM_UPDATES:
-            raise ValueError(f"variant {self.name}: accum_update {self.accum_update!r} not one of {ACCUM_UPDATES}")
         if self.accum < 1 or (self.kind != "accum" and self.accum != 1):
             raise ValueError(f"variant {self.name}: accum={self.accum} needs kind 'accum' and must be >= 1")
 
@@ -50,8 +43,6 @@ class Variant:
     @property
     def state_key(self) -> str:
         """Variants with the same key share one train state (threaded through them by donation)."""
-        if self.kind == "accum" and self.accum_update == "trainer":
-            return f"{self.optimizer}_multisteps"  # every_k adds an fp32 accumulator; its state is k-independent
         return self.optimizer  # the Gram kernel choice does not change Muon's state structure
 
 
@@ -101,11 +92,9 @@ def default_variants(batch: int, seq: int, gpu: bool, long_seq: int, ladder: lis
     for k in accums:
         steps = max(2, 12 // k)  # a call is k microbatches long
         vs.append(r(main, name=f"accum{k}", kind="accum", accum=k, max_steps=steps,
-                    note=f"{k} microbatches of {batch}x{seq} in one program, the trainer's accumulation path "
-                         "(make_train_step + build_optimizer(accumulation_steps=k)): Muon + AdamW on the k-th only"))
-        vs.append(r(main, name=f"accum{k}_once", kind="accum", accum=k, accum_update="once", max_steps=steps,
-                    note=f"{k} microbatches of {batch}x{seq} in one program, gradients summed in fp32, one "
-                         "Muon + AdamW update"))
+                    note=f"one optimizer step of {k} microbatches of {batch}x{seq}, the trainer's program "
+                         "(make_accumulating_train_step): gradients summed in fp32 over a scan, one Muon + AdamW "
+                         "update"))
     ctx = context_name(long_seq)
     searches = [
         Search(ctx, "first", tuple(

@@ -1,5 +1,6 @@
 """The trainer: mesh -> model + params -> optimizer -> data -> checkpoint manager (restores when a checkpoint
-exists) -> loop of the jitted train step with evaluation and checkpoint cadences."""
+exists) -> loop of the jitted train step (one call per optimizer step, its k microbatches stacked) with evaluation
+and checkpoint cadences."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import ConfigDict
@@ -36,7 +38,7 @@ from zaya_jax.parallel.zigzag import Zigzag
 from zaya_jax.train.evaluate import Evaluator
 from zaya_jax.train.flops import flops_per_token
 from zaya_jax.train.metrics import MetricsWriter, Throughput
-from zaya_jax.train.step import make_local_loss_sums, make_train_step
+from zaya_jax.train.step import make_accumulating_train_step, make_local_loss_sums
 
 # Dense bf16 peak FLOP/s per device kind, for MFU (vendor figures; override with train.peak_tflops).
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "MI300X": 1307.4, "MI325X": 1307.4, "MI355X": 2516.6, "A100": 312.0}
@@ -63,13 +65,6 @@ class Plan:
 
     def accumulation_at(self, step: int) -> int:
         return self.ramp[step] if step < len(self.ramp) else self.accumulation
-
-    def accumulation_schedule(self):
-        """k per optimizer step for accumulate.every_k (None without a ramp)."""
-        if not self.ramp:
-            return None
-        table = jnp.asarray(self.ramp + (self.accumulation,), jnp.int32)
-        return lambda step: table[jnp.minimum(step, len(self.ramp))]
 
 
 def make_plan(config: ConfigDict) -> Plan:
@@ -166,8 +161,8 @@ def setup(config: ConfigDict, *, log=print) -> Setup:
     if set(weights) != set(train_sources):
         raise TrainConfigError(f"data.weights names {sorted(weights)} but the training sources are "
                                f"{sorted(train_sources)}: give every source a weight")
-    ocfg = OptimizerConfig(**{**dict(config.optim), "accumulation_steps": plan.accumulation})
-    tx = build_optimizer(ocfg, None, log=None, accumulation_schedule=plan.accumulation_schedule())
+    ocfg = OptimizerConfig(**dict(config.optim))
+    tx = build_optimizer(ocfg, None, log=None)
     par = ParallelConfig.from_config(config)
     if par.zero1:  # optimizer state sharded over the batch axes (parallel/sharding.py); a no-op on one device
         tx = zero1(tx, mesh, muon=par.muon_placement)
@@ -211,7 +206,8 @@ def run(config: ConfigDict, workdir: str, *, log=print) -> dict:
             f"(raise --config.train.steps to continue)")
         ckpt.close()
         return {"step": start}
-    batch_sharding = NamedSharding(mesh, P("data"))
+    # [k microbatches, rows, ...]: every device holds its rows of all k microbatches of the step
+    batch_sharding = NamedSharding(mesh, P(None, "data"))
     if plan.micro_rows % mesh.shape["data"]:
         raise TrainConfigError(f"microbatch of {plan.micro_rows} sequences does not split over data={mesh.shape['data']}")
     it = train_iterator(s.train_sources, dict(config.data.weights), seq_len=plan.seq_len, global_batch=plan.micro_rows,
@@ -229,9 +225,12 @@ def run(config: ConfigDict, workdir: str, *, log=print) -> dict:
         grad_spec_of = zero1_spec_fn(mesh) if s.parallel.zero1 else (lambda shape: P())
         grad_fn = sharded_value_and_grad(make_local_loss_sums(s.graphdef, reset, cp, ce_chunk), mesh, grad_spec_of,
                                          zigzag=cp.zigzag if cp else None)
-    # out_shardings pin the state's layout (ZeRO-1 shards stay shards, parameters stay replicated)
-    step_fn = jax.jit(make_train_step(s.graphdef, s.tx, BalancerConfig(**dict(config.balancing)),
-                                      reset_at_documents=reset, ce_chunk_tokens=ce_chunk, grad_fn=grad_fn),
+    # out_shardings pin the state's layout (ZeRO-1 shards stay shards, parameters stay replicated). One compiled
+    # program per distinct k (the leading axis of the stacked batches): jit retraces when a batch ramp changes k,
+    # each ramp value compiles once and the full batch's program serves every step after the ramp.
+    step_fn = jax.jit(make_accumulating_train_step(s.graphdef, s.tx, BalancerConfig(**dict(config.balancing)),
+                                                   reset_at_documents=reset, ce_chunk_tokens=ce_chunk,
+                                                   grad_fn=grad_fn),
                       donate_argnums=0,
                       out_shardings=(jax.tree.map(lambda x: x.sharding, state), NamedSharding(mesh, P())),
                       compiler_options=combine_threshold_options(s.parallel.bucket_bytes))
@@ -243,25 +242,23 @@ def run(config: ConfigDict, workdir: str, *, log=print) -> dict:
     tokens_per_micro = plan.micro_rows * plan.seq_len  # throughput counts tokens, so a ramp is measured right
     meter, last = Throughput(), {}
     progress = _progress(start, plan.steps, lead)
-    sums, micro_count = {}, 0
+    sums, step_count = {}, 0
     faults = FaultInjector(config.train.get("fault", ""), workdir)
     stop = GracefulStop()
     skip_windows = read_control(workdir)["skip_steps"]
     for step in range(start, plan.steps):
         done = step + 1
+        k = plan.accumulation_at(step)
+        microbatches = [next(it) for _ in range(k)]  # the data iterator's state moves on by whole steps
         if skipped(done, skip_windows):  # data the supervisor marked bad (NaN / loss spike): read past it
-            for _ in range(plan.accumulation_at(step)):
-                next(it)
             log(f"step {done}: skipping its data (supervisor rewind)")
             continue
-        for _ in range(plan.accumulation_at(step)):
-            batch = {k: jax.make_array_from_process_local_data(batch_sharding, v) for k, v in next(it).items()}
-            state, m = step_fn(state, batch)
-            faults.after_dispatch(done)
-            for k, v in m.items():
-                sums[k] = sums.get(k, 0.0) + v
-            micro_count += 1
-            meter.add(tokens_per_micro)
+        state, m = step_fn(state, stacked_on_devices(microbatches, batch_sharding))
+        faults.after_dispatch(done)
+        for name, v in m.items():
+            sums[name] = sums.get(name, 0.0) + v
+        step_count += 1
+        meter.add(k * tokens_per_micro)
         if faults.poisoned("nan", done):  # what a poisoned batch does: non-finite weights and loss
             state = {**state, "params": jax.tree.map(lambda p: p * jnp.nan, state["params"])}
             sums["loss"] = sums["loss"] * jnp.nan
@@ -271,8 +268,8 @@ def run(config: ConfigDict, workdir: str, *, log=print) -> dict:
             jax.block_until_ready(state)
             meter.start()  # exclude compilation from throughput
         if done % config.train.log_every == 0 or done == plan.steps:
-            last = {k: float(v) / micro_count for k, v in sums.items()}
-            sums, micro_count = {}, 0
+            last = {name: float(v) / step_count for name, v in sums.items()}
+            sums, step_count = {}, 0
             tps = meter.rate()
             last["tokens_per_s"] = tps
             if peak:
@@ -306,6 +303,13 @@ def run(config: ConfigDict, workdir: str, *, log=print) -> dict:
     ckpt.close()
     writer.close()
     return last
+
+
+def stacked_on_devices(microbatches: list[dict], sharding: NamedSharding) -> dict:
+    """One optimizer step's host microbatches (this process's rows) as global arrays [k, rows, ...], put on the
+    devices in one transfer per field."""
+    return {name: jax.make_array_from_process_local_data(sharding, np.stack([m[name] for m in microbatches]))
+            for name in microbatches[0]}
 
 
 class GracefulStop:

@@ -1,8 +1,13 @@
 """The jitted training and evaluation steps (pure functions of the train state and a batch).
 
-One call = one microbatch: forward, next-token loss, backward, the optimizer (which accumulates micro-gradients
-and applies them every k calls when accumulation is on), and the balancing-bias controller, which runs once per
-microbatch on the expert counts of the whole data-parallel batch (global under jit), outside autodiff.
+One call of the accumulating train step = one optimizer step over k microbatches stacked on a leading axis: per
+microbatch (a lax.scan) forward, next-token loss, backward and the balancing-bias controller, which runs on that
+microbatch's expert counts of the whole data-parallel batch (global under jit), outside autodiff, so the next
+microbatch routes with the updated biases; the micro-gradients summed in fp32 in the scan carry; then one optimizer
+update with their mean. Accumulating inside one program keeps the per-microbatch work to the gradient and one fp32
+add: an optimizer-side accumulator (optax.MultiSteps-style, one call per microbatch) also paid state-sized passes
+per microbatch (zero updates, params + 0, the accumulator's bookkeeping), 60.4k against 71.2k tokens/s over 16
+microbatches on the H200 (benchmarks/train_h200_long_accum.json).
 """
 
 from __future__ import annotations
@@ -92,24 +97,61 @@ def make_local_loss_sums(graphdef, reset_at_documents: bool, cp: ContextParallel
     return local_sums
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation, balancer: BalancerConfig, *,
-                    reset_at_documents: bool = False, ce_chunk_tokens: int | None = None, grad_fn=None):
-    """grad_fn(params, model_state, batch) -> ((loss, expert counts), grads) replaces value_and_grad of the model
-    loss (data/context parallelism in shard_map plugs in here: zaya_jax/parallel/data_parallel.py)."""
+def make_accumulating_train_step(graphdef, tx: optax.GradientTransformation, balancer: BalancerConfig, *,
+                                 reset_at_documents: bool = False, ce_chunk_tokens: int | None = None, grad_fn=None):
+    """train_step(state, batches) -> (state, metrics): one optimizer step over the k microbatches of `batches`
+    (every field [k, rows, ...]; k is static, so each k compiles its own program). grad_fn(params, model_state,
+    batch) -> ((loss, expert counts), grads) replaces value_and_grad of the model loss (data/context parallelism in
+    shard_map plugs in here: zaya_jax/parallel/data_parallel.py).
+
+    Metrics: loss and the load figures are means over the microbatches (each microbatch's loss is its token mean,
+    its load figures the extremes over layers); grad_norm is the norm of the mean gradient the optimizer gets."""
     grad_fn = grad_fn or jax.value_and_grad(make_loss_fn(graphdef, reset_at_documents,
                                                          ce_chunk_tokens=ce_chunk_tokens), has_aux=True)
 
+    def microbatch(params, model_state, balancer_state, batch):
+        """Gradient of one microbatch, then the bias controller on its expert counts."""
+        (loss, counts), grads = grad_fn(params, model_state, batch)
+        biases, balancer_state, load = update_biases(get_biases(model_state), balancer_state, counts, balancer)
+        metrics = {"loss": loss, "max_load": jnp.max(load.max_load), "min_load": jnp.min(load.min_load),
+                   "skip_fraction": jnp.max(load.skip_fraction)}
+        return grads, with_biases(model_state, biases), balancer_state, metrics
+
+    def train_step(state: dict[str, Any], batches: dict[str, jax.Array]):
+        params = state["params"]
+        k = jax.tree.leaves(batches)[0].shape[0]
+        if k < 1:
+            raise ValueError(f"an optimizer step needs at least one microbatch; the batches' leading axis is {k}")
+        if k == 1:  # no loop, no accumulator: the same program as a plain one-microbatch step
+            grads, model_state, balancer_state, metrics = microbatch(
+                params, state["model_state"], state["balancer"], jax.tree.map(lambda x: x[0], batches))
+        else:
+            def body(carry, batch):
+                total, model_state, balancer_state = carry
+                grads, model_state, balancer_state, metrics = microbatch(params, model_state, balancer_state, batch)
+                total = jax.tree.map(lambda t, g: t + g.astype(jnp.float32), total, grads)
+                return (total, model_state, balancer_state), metrics
+
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+            (total, model_state, balancer_state), per_micro = jax.lax.scan(
+                body, (zeros, state["model_state"], state["balancer"]), batches)
+            grads = jax.tree.map(lambda t, p: (t / k).astype(p.dtype), total, params)
+            metrics = jax.tree.map(jnp.mean, per_micro)
+        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates),
+                     "opt_state": opt_state, "model_state": model_state, "balancer": balancer_state}
+        return new_state, {**metrics, "grad_norm": optax.tree.norm(grads)}
+
+    return train_step
+
+
+def make_train_step(graphdef, tx: optax.GradientTransformation, balancer: BalancerConfig, **kwargs):
+    """train_step(state, batch) -> (state, metrics): one optimizer step on ONE microbatch (fields [rows, ...]);
+    make_accumulating_train_step with k = 1, same arguments."""
+    accumulating_step = make_accumulating_train_step(graphdef, tx, balancer, **kwargs)
+
     def train_step(state: dict[str, Any], batch: dict[str, jax.Array]):
-        (loss, counts), grads = grad_fn(state["params"], state["model_state"], batch)
-        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        biases, balancer_state, load = update_biases(get_biases(state["model_state"]), state["balancer"], counts,
-                                                     balancer)
-        new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state,
-                     "model_state": with_biases(state["model_state"], biases), "balancer": balancer_state}
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "max_load": jnp.max(load.max_load),
-                   "min_load": jnp.min(load.min_load), "skip_fraction": jnp.max(load.skip_fraction)}
-        return new_state, metrics
+        return accumulating_step(state, jax.tree.map(lambda x: x[None], batch))
 
     return train_step
 
