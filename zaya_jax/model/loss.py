@@ -63,22 +63,21 @@ def _head_chunks(hidden, targets, mask, chunk_tokens: int):
 
 
 def head_logits(h, w, bias=None):
-    """fp32 logits of the vocabulary head as Hugging Face's lm_head gives them: one GEMM in the compute dtype with
-    fp32 accumulation (bias added before the single rounding), the result rounded to the compute dtype, then
-    upcast for the fp32 loss. In bf16 that halves the bytes of the largest tensor of the step."""
+    """Logits of the vocabulary head as Hugging Face's lm_head gives them: one GEMM in the compute dtype with fp32
+    accumulation (bias added before the single rounding), returned in the compute dtype. The loss upcasts them to
+    fp32 inside its reductions; in bf16 the largest tensor of the step then moves half the bytes."""
     w = w.astype(h.dtype)
     if bias is None:
-        logits = jnp.einsum("...d,vd->...v", h, w)
-    else:
-        logits = (jnp.einsum("...d,vd->...v", h, w, preferred_element_type=jnp.float32)
-                  + bias.astype(jnp.float32)).astype(h.dtype)
-    return logits.astype(jnp.float32)
-
+        return jnp.einsum("...d,vd->...v", h, w)
+    return (jnp.einsum("...d,vd->...v", h, w, preferred_element_type=jnp.float32)
+            + bias.astype(jnp.float32)).astype(h.dtype)
 
 
 def _chunk_terms(logits, t, m):
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, t[:, None], axis=-1)[:, 0]
+    """(summed CE terms, fp32 log-partition) of compute-dtype logits. The target logit is gathered before the
+    upcast: a gather from the upcast array would make XLA write the whole fp32 chunk out first."""
+    log_z = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
+    target_logit = jnp.take_along_axis(logits, t[:, None], axis=-1)[:, 0].astype(jnp.float32)
     return jnp.where(m > 0, log_z - target_logit, 0.0).sum(), log_z
 
 
@@ -115,7 +114,7 @@ def _head_ce_fwd(hidden, weight, bias, targets, mask, chunk_tokens):
         h, t, m = xs
         logits = head_logits(h, w, bias)
         terms, log_z = _chunk_terms(logits, t, m)
-        probs = jnp.exp(logits - log_z[:, None])
+        probs = jnp.exp(logits.astype(jnp.float32) - log_z[:, None])
         onehot = jax.nn.one_hot(t, logits.shape[-1], dtype=jnp.float32)
         d_logits = (probs - onehot) * m[:, None]
         d_logits_c = d_logits.astype(dt)
@@ -151,7 +150,8 @@ def chunked_head_cross_entropy(hidden, weight, targets, mask, *, bias=None, chun
     cast to hidden's; its gradient comes back in its own dtype, accumulated in fp32), targets [...] aligned
     (hidden[t] predicts targets[t]), mask [...] (0 = not counted), bias [V] or None. Equals
     `token_cross_entropy_terms(head_logits(hidden, weight, bias), targets, mask)` summed (the logits of
-    `ZayaForCausalLM.logits`); peak extra memory is one chunk of fp32 logits (chunk_tokens x V x 4 bytes) instead of all of them."""
+    `ZayaForCausalLM.logits`); peak extra memory is about one chunk of logits and their gradient (chunk_tokens x V)
+    instead of all of them."""
     d = hidden.shape[-1]
     flat_mask = mask.reshape(-1).astype(jnp.float32)
     total = _head_ce(hidden.reshape(-1, d), weight, bias, targets.reshape(-1).astype(jnp.int32), flat_mask,

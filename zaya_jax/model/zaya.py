@@ -201,4 +201,4 @@ class ZayaForCausalLM(nnx.Module):
     def logits(self, y):
         """fp32 logits from final hidden states, rounded once to the compute dtype as HF's lm_head returns them."""
         bias = self.lm_head.bias[...] if self.lm_head is not None and self.lm_head.bias is not None else None
-        return head_logits(y, self.head_weight(), bias)
+        return head_logits(y, self.head_weight(), bias).astype(jnp.float32)
