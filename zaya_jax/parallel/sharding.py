@@ -1,9 +1,10 @@
 """Shardings of the train state: parameters replicated for compute, ZeRO-1 for the optimizer state.
 
-ZeRO-1 (spec 13): every optimizer-state leaf (Muon momentum, Adam moments, the gradient-accumulation buffer)
-is sharded over the ZeRO group, the mesh axes that split the batch ('data', and 'context' when it is > 1), so
-each device keeps 1/group of it. It is done through GSPMD, and these are the collectives XLA emits (see
-tests/test_parallel_zero1.py, which reads them from the compiled program):
+ZeRO-1 (spec 13): every optimizer-state leaf (Muon momentum, Adam moments) is sharded over the ZeRO group, the
+mesh axes that split the batch ('data', and 'context' when it is > 1), so each device keeps 1/group of it (the
+train step's fp32 gradient sum over microbatches takes the gradients' reduce-scattered layout too). It is done
+through GSPMD, and these are the collectives XLA emits (see tests/test_parallel_zero1.py, which reads them from
+the compiled program):
   * gradients are constrained to the ZeRO-1 layout as they enter the optimizer, so the data-parallel
     reduction becomes a reduce-scatter (each device receives only its shard), not an all-reduce;
   * the update runs on the shards: AdamW elementwise, Muon's Newton-Schulz on whole matrices (muon_dist.py);
