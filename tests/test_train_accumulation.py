@@ -12,13 +12,13 @@ import os
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from test_train import losses, small_config
 
 from zaya_jax.config import preset
 from zaya_jax.optim.balancing import BalancerConfig, update_biases
@@ -27,9 +27,14 @@ from zaya_jax.parallel.data_parallel import sharded_value_and_grad
 from zaya_jax.parallel.hlo_comm import ELEMENT_BYTES
 from zaya_jax.parallel.mesh import make_mesh
 from zaya_jax.parallel.sharding import state_shardings, zero1, zero1_spec_fn
-from zaya_jax.train.loop import init_state, run
-from zaya_jax.train.step import (get_biases, make_accumulating_train_step, make_local_loss_sums, make_loss_fn,
-                                 with_biases)
+from zaya_jax.train.loop import init_state, make_plan, run
+from zaya_jax.train.step import (
+    get_biases,
+    make_accumulating_train_step,
+    make_local_loss_sums,
+    make_loss_fn,
+    with_biases,
+)
 
 K, ROWS, SEQ = 3, 4, 32
 # A large controller step, so that routing with stale biases would visibly change the later microbatches' gradients.
@@ -84,7 +89,7 @@ def reference_step(graphdef, state, batches, *, refresh_biases=True):
     model_state, balancer, grads, losses = state["model_state"], state["balancer"], [], []
     for i in range(K):
         routed_with = model_state if refresh_biases else state["model_state"]
-        (loss, counts), g = grad(state["params"], routed_with, jax.tree.map(lambda x: x[i], batches))
+        (loss, counts), g = grad(state["params"], routed_with, {name: x[i] for name, x in batches.items()})
         biases, balancer, _ = update_biases(get_biases(model_state), balancer, counts, BALANCER)
         model_state = with_biases(model_state, biases)
         grads.append(g)
@@ -104,8 +109,8 @@ def program(request):
     stale, _ = reference_step(graphdef, state, batches, refresh_biases=False)
     got, metrics = compiled(state, batches)  # donates `state`
     jax.effects_barrier()
-    return dict(compiled=compiled, got=jax.device_get(got), metrics=jax.device_get(metrics), want=want,
-                want_metrics=want_metrics, stale=stale, calls=calls, devices=request.param)
+    return {"compiled": compiled, "got": jax.device_get(got), "metrics": jax.device_get(metrics), "want": want,
+            "want_metrics": want_metrics, "stale": stale, "calls": calls, "devices": request.param}
 
 
 def max_abs_diff(a, b):
@@ -184,16 +189,15 @@ def test_the_microbatch_loop_copies_no_parameter_sized_buffer(program):
 
 
 def ramp_config(**train):
-    from test_train import small_config
+    """tests/test_train.py's small run with 3 microbatches per step after a ramp of k = 1, 2."""
     c = small_config(**train)
     micro = c.train.microbatch_tokens
-    c.train.update(dict(global_batch_tokens=3 * micro, batch_ramp=dict(start_tokens=micro, ramp_tokens=3 * micro)))
+    c.train.update({"global_batch_tokens": 3 * micro,
+                    "batch_ramp": {"start_tokens": micro, "ramp_tokens": 3 * micro}})
     return c
 
 
 def test_a_batch_ramp_trains_and_resumes_at_the_right_microbatch(tmp_path):
-    from test_train import losses
-    from zaya_jax.train.loop import make_plan
     plan = make_plan(ramp_config(steps=4))
     assert [plan.accumulation_at(s) for s in range(4)] == [1, 2, 3, 3]
 
