@@ -6,9 +6,8 @@ tile per loop step, where block_d = next power of two >= D and the edges are mas
     fp32 (the LayerNorm variance is centred in registers, the exact form of what a streaming Welford update
     approximates).
   * The [D] parameter vectors are loaded once per program, not once per row: re-reading them per row moves more
-    bytes through the caches than the rows move through HBM. The residual merge holds four of them (32 KiB of
-    registers per program at D=2048), which caps the programs per compute unit; its launch may re-read them per
-    step instead (NormLaunch.hold_vectors=False) to trade cache traffic for occupancy.
+    bytes through the caches than the rows move through HBM (measured on the H200: the merge re-reading its four
+    vectors per row ran at 0.50-0.68 of copy bandwidth, against 0.73-0.83 holding them).
   * The next tile is loaded one step ahead (carried through the loop), so its memory traffic overlaps the current
     tile's reductions.
   * The backward keeps per-column partial sums of the parameter gradients in registers as [rows, block_d] tiles
@@ -52,15 +51,6 @@ def _load_stat(ref, start, rows, row_ok):
 
 def _load_vec(ref, d):
     return plgpu.load(ref, mask=jnp.arange(ref.shape[0]) < d, other=0.0).astype(F32)[None, :]
-
-
-def _vectors(refs, d, hold: bool):
-    """A function returning the [1, D] fp32 parameter vectors: loaded once here (held in registers through the
-    row loop), or loaded again at each call (inside the loop step: cache hits, fewer live registers)."""
-    if hold:
-        held = tuple(_load_vec(ref, d) for ref in refs)
-        return lambda: held
-    return lambda: tuple(_load_vec(ref, d) for ref in refs)
 
 
 def _store_tile(ref, start, rows, value, mask):
@@ -117,18 +107,17 @@ def _rms_fwd_kernel(x_ref, w_ref, y_ref, rstd_ref, *, d, eps, n_rows, rows, n_it
 
 
 def _merge_fwd_kernel(b_ref, r_ref, hs_ref, rs_ref, c_ref, w_ref, h_ref, y_ref, rstd_ref, *, d, eps, n_rows, rows,
-                      n_iters, hold_vectors):
+                      n_iters):
     """h = branch * hs + residual * rs + c with the biases folded into c = hb * hs + rb * rs (one [D] vector fewer
     held in registers). Padded columns load zeros for every vector, so h is 0 there and the statistics are exact;
     padded rows are never stored."""
     block_d = b_ref.shape[-1]
-    vectors = _vectors((hs_ref, rs_ref, c_ref, w_ref), d, hold_vectors)
+    hs, rs, c, w = (_load_vec(ref, d) for ref in (hs_ref, rs_ref, c_ref, w_ref))
 
     def load(start, row_ok, mask):
         return _load_tile(b_ref, start, rows, mask), _load_tile(r_ref, start, rows, mask)
 
     def body(start, row_ok, mask, tiles, accs):
-        hs, rs, c, w = vectors()
         branch, resid = (t.astype(F32) for t in tiles)
         h = branch * hs + resid * rs + c
         rstd = jax.lax.rsqrt(_sum_rows(h * h) / d + eps)
@@ -194,11 +183,11 @@ def _rms_bwd_kernel(x_ref, dy_ref, rstd_ref, w_ref, dx_ref, part_ref, *, d, n_ro
 
 
 def _merge_bwd_kernel(b_ref, r_ref, dh_ref, dy_ref, rstd_ref, hs_ref, rs_ref, c_ref, w_ref,
-                      db_ref, dr_ref, part_ref, *, d, n_rows, rows, n_iters, hold_vectors):
+                      db_ref, dr_ref, part_ref, *, d, n_rows, rows, n_iters):
     """Partial column sums of g * branch, g * residual, g and dy * n (the wrapper adds the bias terms: no select
     per element). Padded rows load rstd = 0 and zero tiles, so their g and n are 0."""
     block_d = b_ref.shape[-1]
-    vectors = _vectors((hs_ref, rs_ref, c_ref, w_ref), d, hold_vectors)
+    hs, rs, c, w = (_load_vec(ref, d) for ref in (hs_ref, rs_ref, c_ref, w_ref))
 
     def load(start, row_ok, mask):
         return (_load_tile(b_ref, start, rows, mask), _load_tile(r_ref, start, rows, mask),
@@ -208,7 +197,6 @@ def _merge_bwd_kernel(b_ref, r_ref, dh_ref, dy_ref, rstd_ref, hs_ref, rs_ref, c_
     def body(start, row_ok, mask, tiles, accs):
         branch, resid, dh, dy, rstd = tiles
         acc_b, acc_r, acc_g, acc_w = accs
-        hs, rs, c, w = vectors()
         branch, resid = branch.astype(F32), resid.astype(F32)
         n = (branch * hs + resid * rs + c) * rstd
         dy = dy.astype(F32)
@@ -304,10 +292,9 @@ def rms_forward(x, w, *, eps, out_dtype, launch=None, programs=None):
 def merge_forward(branch, residual, hs, hb, rs, rb, w, *, eps, out_dtype, launch=None, programs=None):
     """-> (h [N, D] fp32, y [N, D] out_dtype, rstd [N] fp32)."""
     d = branch.shape[1]
-    launch = _launch(launch, d, "fwd")
     return _rows_call(_merge_fwd_kernel, "merge_rms_norm_fwd", rows_in=[branch, residual], stats_in=[],
                       vecs_in=[hs, rs, merged_bias(hs, hb, rs, rb), w], rows_out=[F32, out_dtype], n_stats_out=1,
-                      n_partials=0, d=d, launch=launch, programs=programs, eps=eps, hold_vectors=launch.hold_vectors)
+                      n_partials=0, d=d, launch=_launch(launch, d, "fwd"), programs=programs, eps=eps)
 
 
 def layer_forward(x, w, b, *, eps, out_dtype, launch=None, programs=None):
@@ -329,11 +316,10 @@ def rms_backward(x, dy, rstd, w, *, launch=None, programs=None):
 def merge_backward(branch, residual, dh, dy, rstd, hs, hb, rs, rb, w, *, launch=None, programs=None):
     """-> (d_branch, d_residual, sum(g * (branch + hb)), sum(g * (residual + rb)), sum(g), sum(dy * n))."""
     d = branch.shape[1]
-    launch = _launch(launch, d, "bwd")
     d_branch, d_resid, g_branch, g_resid, g_sum, g_w = _rows_call(
         _merge_bwd_kernel, "merge_rms_norm_bwd", rows_in=[branch, residual, dh, dy], stats_in=[rstd],
         vecs_in=[hs, rs, merged_bias(hs, hb, rs, rb), w], rows_out=[branch.dtype, residual.dtype], n_stats_out=0,
-        n_partials=4, d=d, launch=launch, programs=programs, hold_vectors=launch.hold_vectors)
+        n_partials=4, d=d, launch=_launch(launch, d, "bwd"), programs=programs)
     # sum(g * (branch + hb)) = sum(g * branch) + hb * sum(g), likewise for the residual
     return (d_branch, d_resid, g_branch + hb.astype(F32) * g_sum, g_resid + rb.astype(F32) * g_sum, g_sum, g_w)
 

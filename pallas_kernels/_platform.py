@@ -120,15 +120,11 @@ def attention_blocks(head_dim: int, q_len: int = 0) -> AttentionBlocks:
 class NormLaunch:
     """Launch of a row-wise norm kernel: each of `programs_per_cu` x (compute units) programs walks a contiguous
     range of rows, `rows` rows (a [rows, block_d] tile) per loop step, with `num_warps` warps. programs_per_cu = 0
-    launches one program per tile instead (no loop: many small resident programs hide the memory latency).
-    hold_vectors=False makes the residual merge re-read its four [D] parameter vectors (from cache) on every step
-    instead of holding them in registers for the whole loop: fewer registers per program, so more programs (and
-    bytes in flight) per compute unit."""
+    launches one program per tile instead (no loop: many small resident programs hide the memory latency)."""
     rows: int
     num_warps: int
     programs_per_cu: int = 4
     num_stages: int = 1
-    hold_vectors: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,20 +135,19 @@ class NormTuning:
     lane_elems: int = 8
     programs_per_cu: int = 4
     num_stages: int = 1
-    hold_vectors: bool = True
 
     def launch(self, block_d: int) -> NormLaunch:
         rows = max(1, min(4, self.step_elems // block_d))
         lanes = 64 if vendor() == "rocm" else 32
         warps = max(1, min(16 if lanes == 32 else 8, rows * block_d // (self.lane_elems * lanes)))
         return NormLaunch(rows=rows, num_warps=_pow2_floor(warps), programs_per_cu=self.programs_per_cu,
-                          num_stages=self.num_stages, hold_vectors=self.hold_vectors)
+                          num_stages=self.num_stages)
 
 
 # The [D] parameter vectors (and, in the backward, the [D] partial sums) stay in registers for the whole row loop,
 # so wide rows get more lanes rather than more registers per lane. On the H200 (D=2048, 16384 rows) the fused merge
-# measured 3.0 TB/s forward with 8 warps x 4-8 programs per SM (16 warps x 2 the same) and 2.7 TB/s backward with
-# 8 warps x 4 programs (16 warps: 2.4-2.5). `python -m launch.tune_kernels` prints new rows for this table.
+# measured 0.83-0.85 of copy bandwidth forward with 8 warps x 6 programs per SM (x 8: 0.75-0.78) and 0.73 backward
+# with 8 warps x 2 programs (x 4: 0.63-0.68; 16 warps: 0.61-0.63). `python -m launch.tune_kernels` prints new rows.
 _NORM = {
     "cuda": {"fwd": NormTuning(2048, 8, 6, 1), "bwd": NormTuning(2048, 8, 2, 1)},  # benchmarks/norm_h200.json
     "rocm": {"fwd": NormTuning(2048, 8, 8, 1), "bwd": NormTuning(2048, 8, 4, 1)},
@@ -175,8 +170,7 @@ def norm_tuning_of(launch: NormLaunch, block_d: int) -> NormTuning:
     """The table row that reproduces `launch` at width block_d (for printing tuned launches)."""
     lanes = 64 if vendor() == "rocm" else 32
     return NormTuning(step_elems=launch.rows * block_d, lane_elems=launch.rows * block_d // (launch.num_warps * lanes),
-                      programs_per_cu=launch.programs_per_cu, num_stages=launch.num_stages,
-                      hold_vectors=launch.hold_vectors)
+                      programs_per_cu=launch.programs_per_cu, num_stages=launch.num_stages)
 
 
 def norm_launch(block_d: int, phase: str = "fwd") -> NormLaunch:

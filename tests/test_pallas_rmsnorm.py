@@ -99,8 +99,7 @@ def test_backward_row_loop_and_partials():
 
 def test_one_program_per_tile_and_multi_row_merge_partials():
     """programs_per_cu=0 (one tile per program, no loop) in forward and backward, and the merge backward's four
-    [rows, D] accumulators over a ragged multi-row loop (also re-reading the parameter vectors per step), against
-    the references."""
+    [rows, D] accumulators over a ragged multi-row loop, against the references."""
     k, _, (hs, hb, rs, rb, w, _) = _inputs(6, 1, 72, jnp.float32)
     branch, residual = jax.random.normal(k[7], (11, 72)), 4.0 * jax.random.normal(k[8], (11, 72))
     dh, dy = jax.random.normal(k[9], residual.shape), jax.random.normal(k[0], residual.shape)
@@ -109,8 +108,7 @@ def test_one_program_per_tile_and_multi_row_merge_partials():
     ref_grads = pull((dh, dy))
     # the kernel's bias gradients come out as sum(g * (branch + hb)), sum(g * (residual + rb)), sum(g): rebuild them
     for fwd_launch, bwd_launch, bwd_programs in ((NormLaunch(2, 1, 0), NormLaunch(3, 1, 0), None),
-                                                 (NormLaunch(1, 1, 0, hold_vectors=False),
-                                                  NormLaunch(2, 1, 2, hold_vectors=False), 2)):
+                                                 (NormLaunch(1, 1, 0), NormLaunch(2, 1, 2), 2)):
         h, y, rstd = kern.merge_forward(branch, residual, hs, hb, rs, rb, w, eps=EPS, out_dtype=jnp.float32,
                                         launch=fwd_launch)
         d_b, d_r, g_b, g_r, g_sum, g_w = kern.merge_backward(branch, residual, dh, dy, rstd, hs, hb, rs, rb, w,
