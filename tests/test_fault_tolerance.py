@@ -8,12 +8,12 @@ import sys
 import jax
 import numpy as np
 
-from tests.configs.fault_tiny import get_config
+from tests.fault_configs.fault_tiny import get_config
 from zaya_jax.fault.supervisor import Supervisor, SupervisorConfig
 from zaya_jax.train.loop import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG = os.path.join(ROOT, "tests", "configs", "fault_tiny.py")
+CONFIG = os.path.join(ROOT, "tests", "fault_configs", "fault_tiny.py")
 
 
 def train_command(workdir, fault):
