@@ -131,7 +131,9 @@ def test_report_ratios_and_derived_hf_accumulation():
     assert report["ratio_vs_hf_accum16"] == pytest.approx(16 * 8192 / (16 * 0.2 + 0.18) / hf16)
     assert acc["optimizer_share"] == pytest.approx(0.18 / (16 * 0.2 + 0.18))
     assert "DERIVED" in report["ratio_labels"]["ratio_vs_hf_accum16"]
-    assert set(report["ratio_labels"]) == {"ratio_vs_hf", "ratio_vs_hf_same_optimizer", "ratio_vs_hf_accum16"}
+    assert report["ratio_vs_hf_bound_update_alone"] == pytest.approx(0.128 / 0.18)  # the update alone vs HF's step
+    assert set(report["ratio_labels"]) == {"ratio_vs_hf", "ratio_vs_hf_same_optimizer", "ratio_vs_hf_accum16",
+                                           "ratio_vs_hf_bound_update_alone"}
     bd = report["breakdown"]
     assert bd["optimizer_share"] == pytest.approx(0.18 / 0.4) and bd["backward_ms_derived"] == pytest.approx(140)
     assert report["hf_breakdown"]["optimizer_ms"] == pytest.approx(18)

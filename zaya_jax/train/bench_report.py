@@ -14,6 +14,9 @@ RATIO_LABELS = {
     "ratio_vs_hf_same_optimizer": "main_adamw (AdamW on every parameter, like HF) vs the faster measured HF step",
     "ratio_vs_hf_moe_ragged": "main with lax.ragged_dot experts instead of the grouped-GEMM kernel vs the faster "
                               "measured HF step",
+    "ratio_vs_hf_bound_update_alone": "the most ratio_vs_hf can be at this batch on one device: our Muon + AdamW "
+                                      "update ALONE (opt_zaya, no forward or backward) vs the faster measured HF "
+                                      "step",
     "ratio_vs_hf_accum16": "accum16, one optimizer step of 16 microbatches of the same batch through the trainer's "
                            "program (gradients summed in a scan, one Muon + AdamW update) vs HF with 16-step "
                            "accumulation DERIVED as 16 x fwd_bwd + 1 AdamW step (each measured separately, faster HF "
@@ -59,6 +62,9 @@ def summarize(report: dict) -> list[str]:
                           ("ratio_vs_hf_moe_ragged", "moe_ragged")):
             if v.get(name, {}).get("tokens_per_s"):
                 ratios[key] = v[name]["tokens_per_s"] / hf_tps
+        if main and v.get("opt_zaya", {}).get("median_s"):
+            tokens = main["batch"] * main["seq"]
+            ratios["ratio_vs_hf_bound_update_alone"] = tokens / v["opt_zaya"]["median_s"] / hf_tps
     report["breakdown"] = breakdown(v)
     if isinstance(hf.get(hf_name), dict) and hf[hf_name].get("fwd_bwd_s"):
         h = hf[hf_name]
