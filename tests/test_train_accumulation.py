@@ -5,7 +5,7 @@ emulated devices (tests/conftest.py):
     after each microbatch (the next one routes with them), the mean gradient, one optimizer update;
   * the optimizer update runs once per call, and the compiled program copies no parameter-sized buffer on a
     microbatch (the scan carries the fp32 gradient sum in place; parameters are loop invariants);
-and, through the trainer, a batch ramp (k = 1, 2, 3, 3) trains and resumes mid-ramp at the right microbatch."""
+and, through the trainer, a batch ramp (k = 1, 2, 2) trains and resumes mid-ramp at the right microbatch."""
 
 import math
 import os
@@ -189,28 +189,28 @@ def test_the_microbatch_loop_copies_no_parameter_sized_buffer(program):
 
 
 def ramp_config(**train):
-    """tests/test_train.py's small run with 3 microbatches per step after a ramp of k = 1, 2."""
+    """tests/test_train.py's small run with 2 microbatches per step after a ramp that starts at k = 1."""
     c = small_config(**train)
     micro = c.train.microbatch_tokens
-    c.train.update({"global_batch_tokens": 3 * micro,
-                    "batch_ramp": {"start_tokens": micro, "ramp_tokens": 3 * micro}})
+    c.train.update({"global_batch_tokens": 2 * micro,
+                    "batch_ramp": {"start_tokens": micro, "ramp_tokens": 2 * micro}})
     return c
 
 
 def test_a_batch_ramp_trains_and_resumes_at_the_right_microbatch(tmp_path):
-    plan = make_plan(ramp_config(steps=4))
-    assert [plan.accumulation_at(s) for s in range(4)] == [1, 2, 3, 3]
+    plan = make_plan(ramp_config(steps=3))
+    assert [plan.accumulation_at(s) for s in range(3)] == [1, 2, 2]
 
     straight = str(tmp_path / "straight")
-    run(ramp_config(steps=4), straight, log=lambda *_: None)
+    run(ramp_config(steps=3), straight, log=lambda *_: None)
     full = losses(straight)
-    assert all(math.isfinite(x) for x in full.values()) and full[4] < full[1]
+    assert all(math.isfinite(x) for x in full.values()) and full[3] < full[1]
     data = ocp.CheckpointManager(os.path.join(straight, "checkpoints")).restore(
-        4, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
-    assert data["step"] == 1 + 2 + 3 + 3  # the iterator counts microbatches
+        3, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
+    assert data["step"] == 1 + 2 + 2  # the iterator counts microbatches
 
     split = str(tmp_path / "split")
-    run(ramp_config(steps=2, checkpoint_every=2), split, log=lambda *_: None)
-    run(ramp_config(steps=4), split, log=lambda *_: None)  # resumes after step 2 (k=2) into k=3
+    run(ramp_config(steps=1, checkpoint_every=1), split, log=lambda *_: None)
+    run(ramp_config(steps=3), split, log=lambda *_: None)  # resumes after step 1 (k=1) into k=2
     resumed = losses(split)
-    assert [resumed[s] for s in (3, 4)] == [full[s] for s in (3, 4)]  # bitwise on the CPU
+    assert [resumed[s] for s in (2, 3)] == [full[s] for s in (2, 3)]  # bitwise on the CPU
