@@ -2,8 +2,9 @@
 
 Timing: each measurement jits the function, runs it a few times to compile and warm up, then takes the median
 over `reps` repeats of (n back-to-back calls, then block_until_ready) / n, n large enough for a ~20 ms sample.
-Inputs are fresh random arrays (never zeros) and larger than the L2 cache. Bytes count each input read once and each output written once; attention
-FLOPs count the causal forward as 2*B*T^2*H*d (half of the dense 4*B*T^2*H*d) and forward+backward as 3.5x that.
+Inputs are fresh random arrays (never zeros) and larger than the L2 cache. Bytes count each input read once and each
+output written once; attention FLOPs count the causal forward as 2*B*T^2*H*d (half of the dense 4*B*T^2*H*d) and
+forward+backward as 3.5x that.
 """
 
 from __future__ import annotations

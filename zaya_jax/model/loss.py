@@ -39,8 +39,8 @@ def next_token_cross_entropy(logits, labels, ignore_index: int = IGNORE_INDEX):
 
 # ---- chunked cross-entropy through the vocabulary head ------------------------------------------------------------
 #
-# The same per-token terms as `token_cross_entropy_terms(head_logits(hidden, head, bias), ...)`, summed, without holding
-# the [N, V] fp32 logits (V = 262272: 1 GiB per 1024 tokens) or their gradient: tokens go through the head in chunks
+# The same per-token terms as `token_cross_entropy_terms(head_logits(hidden, head, bias), ...)`, summed, without
+# holding the [N, V] logits (V = 262272: 1 GiB per 1024 tokens) or their gradient: tokens go through the head in chunks
 # under lax.scan. When differentiated, each chunk's gradient is formed right there (Liger-style fused linear
 # cross-entropy): d logits = mask * (softmax - onehot), in the compute dtype, feeds the two head-gradient GEMMs
 # (bf16 operands, fp32 accumulation when the compute dtype is bf16; all fp32 in fp32), d head accumulates in fp32
