@@ -14,8 +14,7 @@ tile per loop step, where block_d = next power of two >= D and the edges are mas
     (element-wise adds per step: summing over the tile's rows every step would be a cross-warp reduction through
     shared memory on each step) and folds the rows once at the end, writing one [n_partials, D] block per program
     into a single partials array; the wrapper sums it over programs (one small XLA reduction). No float atomics
-    (not portable to ROCm), no second
-    pass over the activations.
+    (not portable to ROCm), no second pass over the activations.
   * A launch with programs_per_cu = 0 gives every program a single tile (no loop, no prefetch): the hardware
     scheduler then hides the latency with many resident programs. Meant for the forward; in a backward each program
     writes its own [D] partials, so that costs (rows / tile rows) x D x 4 bytes per partial.
