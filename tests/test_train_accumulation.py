@@ -79,13 +79,20 @@ def accumulating_program(devices: int, calls: list):
     return compiled, state, batches, graphdef
 
 
-def reference_step(graphdef, state, batches, *, refresh_biases=True):
+def reference_fns(graphdef):
+    """(gradient of one microbatch, optimizer update), jitted once for both reference steps: one device, plain
+    optax (an eager Muon update would dispatch and compile op by op)."""
+    tx = build_optimizer(OPTIM, log=None)
+    return (jax.jit(jax.value_and_grad(make_loss_fn(graphdef, False), has_aux=True)),
+            jax.jit(lambda grads, opt_state, params: tx.update(grads, opt_state, params)))
+
+
+def reference_step(fns, state, batches, *, refresh_biases=True):
     """k separate gradient calls, the controller after each (or, refresh_biases=False, every microbatch routed
-    with the step's initial biases), then one update with the mean gradient. One device, plain optax."""
+    with the step's initial biases), then one update with the mean gradient."""
+    grad, update = fns
     state = jax.device_get(state)
     batches = jax.device_get(batches)
-    tx = build_optimizer(OPTIM, log=None)
-    grad = jax.jit(jax.value_and_grad(make_loss_fn(graphdef, False), has_aux=True))
     model_state, balancer, grads, losses = state["model_state"], state["balancer"], [], []
     for i in range(K):
         routed_with = model_state if refresh_biases else state["model_state"]
@@ -95,7 +102,7 @@ def reference_step(graphdef, state, batches, *, refresh_biases=True):
         grads.append(g)
         losses.append(loss)
     mean = jax.tree.map(lambda *g: sum(g) / K, *grads)
-    updates, opt_state = tx.update(mean, state["opt_state"], state["params"])
+    updates, opt_state = update(mean, state["opt_state"], state["params"])
     new = {"step": state["step"] + 1, "params": optax.apply_updates(state["params"], updates),
            "opt_state": opt_state, "model_state": model_state, "balancer": balancer}
     return new, {"loss": sum(losses) / K, "grad_norm": optax.tree.norm(mean)}
@@ -105,8 +112,9 @@ def reference_step(graphdef, state, batches, *, refresh_biases=True):
 def program(request):
     calls = []
     compiled, state, batches, graphdef = accumulating_program(request.param, calls)
-    want, want_metrics = reference_step(graphdef, state, batches)
-    stale, _ = reference_step(graphdef, state, batches, refresh_biases=False)
+    fns = reference_fns(graphdef)
+    want, want_metrics = reference_step(fns, state, batches)
+    stale, _ = reference_step(fns, state, batches, refresh_biases=False)
     got, metrics = compiled(state, batches)  # donates `state`
     jax.effects_barrier()
     return {"compiled": compiled, "got": jax.device_get(got), "metrics": jax.device_get(metrics), "want": want,
