@@ -75,7 +75,8 @@ def head_logits(h, w, bias=None):
 
 def _chunk_terms(logits, t, m):
     """(summed CE terms, fp32 log-partition) of compute-dtype logits. The target logit is gathered before the
-    upcast: a gather from the upcast array would make XLA write the whole fp32 chunk out first."""
+    upcast, so that the upcast only feeds reductions XLA can fuse it into (a gather consumer can make it write the
+    whole fp32 chunk out)."""
     log_z = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
     target_logit = jnp.take_along_axis(logits, t[:, None], axis=-1)[:, 0].astype(jnp.float32)
     return jnp.where(m > 0, log_z - target_logit, 0.0).sum(), log_z
