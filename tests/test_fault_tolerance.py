@@ -68,7 +68,10 @@ def test_nan_spike_and_hang_are_rewound_skipped_and_restarted(tmp_path):
     assert [(r["reason"], r["bad_step"], r["resume_from"], r["skip_steps"]) for r in rewinds] == [
         ("nonfinite", 5, 4, [5, 5]), ("spike", 8, 6, [8, 8])]
     hangs = [e for e in ev if e["event"] == "hang"]
-    assert [h["step"] for h in hangs] == [3] and hangs[0]["silent_s"] < 5.0 + 2.0  # detected within the timeout
+    # detected at its hang timeout (max(min_hang_s, hang_factor x median step gap): longer on a loaded machine), not
+    # at the 300 s start-up allowance
+    assert [h["step"] for h in hangs] == [3] and 5.0 <= hangs[0]["timeout_s"] < 60.0
+    assert hangs[0]["silent_s"] < hangs[0]["timeout_s"] + 5.0  # polled every 0.5 s; slack for a loaded CI machine
     assert ev[-1]["event"] == "done"
     with open(wd / "metrics.jsonl") as f:
         last = {}
