@@ -6,6 +6,10 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if os.environ.get("ZAYA_TEST_GPU"):  # run the gpu-marked tests on a real accelerator
     os.environ.pop("JAX_PLATFORMS")
+elif "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    # The tests' programs are tiny and compiled once or twice each: compile time dominates the suite, and LLVM's
+    # optimisation passes are most of it (tests/test_train.py cold: 98 s instead of 133 s). Subprocesses inherit it.
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
