@@ -112,7 +112,8 @@ def time_pass_configs(clock: Clock, stage: str, prob, phase: str, cfgs, base: At
         if not clock.open(stage) and rows:
             rows.append(dict(cfg, skipped="budget"))
             continue
-        t, err = bench.attempt(bench.time_attention_pass, prob, phase, dataclasses.replace(base, **cfg), reps=reps, calls=3)
+        t, err = bench.attempt(bench.time_attention_pass, prob, phase, dataclasses.replace(base, **cfg), reps=reps,
+                               calls=3)
         if err:
             rows.append(dict(cfg, error=err))
             print(f"  {phase:3s} {_key(cfg)}: {err[:120]}", flush=True)

@@ -4,8 +4,6 @@ its own first attempt at the first steps after the resume. And the uninterrupted
 resumed on 2 devices, continues with that run's losses. Runs through zaya_jax/systems/scaling_runs.py, the code of `launch.scaling`'s
 restore and supervisor parts (launch.train, and launch.train under launch.supervise --nproc 2)."""
 
-import os
-
 import jax
 import pytest
 
@@ -35,10 +33,9 @@ def test_rank_environment():
 
 
 def test_killed_rank_restarts_the_group_and_a_checkpoint_resumes_on_fewer_devices(tmp_path, monkeypatch):
-    # the trainers share the tests' compilation cache and compile without LLVM optimisation (a few steps each)
+    # the trainers share the tests' compilation cache (and conftest's XLA_FLAGS: no LLVM optimisation)
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", jax.config.jax_compilation_cache_dir)
     monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0")
     ref_dir = str(tmp_path / "reference")
     ref = reference(ref_dir, PLAN, devices=4, timeout=300)
     assert ref["exit"] == 0, ref.get("error")

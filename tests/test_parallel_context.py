@@ -7,7 +7,6 @@ perturbed away from its init (conv biases, key temperature, attention biases, ..
 resets put document starts on, just after and away from chunk boundaries.
 """
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +26,6 @@ from zaya_jax.parallel.mesh import make_mesh
 from zaya_jax.parallel.zigzag import Zigzag, ZigzagError, from_layout, to_layout
 
 S, B = 32, 8
-FAST_COMPILE = {"xla_backend_optimization_level": 0}  # these programs run once: compile time is what counts
 
 
 def test_zigzag_layout_puts_chunks_r_and_mirror_on_rank_r():
@@ -73,7 +71,7 @@ def reference():
     seg, pos = _documents()
     cotangent = jax.random.normal(jax.random.key(3), (B, S, cfg.vocab_size))
 
-    @functools.partial(jax.jit, compiler_options=FAST_COMPILE)
+    @jax.jit
     def single(params):
         logits, vjp = jax.vjp(lambda p: nnx.merge(graphdef, p, model_state)(ids, positions=pos, segment_ids=seg),
                               params)
@@ -92,7 +90,7 @@ def test_context_parallel_logits_and_gradients_equal_single_device(reference, cp
     ctx = ContextParallel(Zigzag(cp, S), attention=variant)
     ctx.check(r["cfg"])
 
-    @functools.partial(jax.jit, compiler_options=FAST_COMPILE)
+    @jax.jit
     def parallel(params):
         logits, vjp = jax.vjp(lambda p: forward_logits(r["graphdef"], p, r["model_state"], r["ids"], mesh, ctx,
                                                        positions=r["pos"], segment_ids=r["seg"]), params)

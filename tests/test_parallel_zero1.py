@@ -3,7 +3,6 @@ the bytes Newton-Schulz moves (whole-matrix ownership against the all-gather bas
 HLO), and the collectives of the trainer's data-parallel step (gradients reduce-scattered, no activation
 gathers)."""
 
-import functools
 import re
 
 import jax
@@ -19,7 +18,6 @@ from zaya_jax.parallel.hlo_comm import received_by_axes, received_by_kind
 from zaya_jax.parallel.mesh import make_mesh
 from zaya_jax.parallel.sharding import bytes_per_device, zero1, zero1_spec_fn
 
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 # Every branch of the layout: a stack dim split (whole matrices in place), matrices cut through m or n (regrouped
 # with padding: 2 and 3 matrices over 8 devices), a plain 2-D matrix cut through its rows, a leaf too small.
@@ -55,7 +53,7 @@ def _run_muon(tx, mesh=None, steps=3):
         state = jax.device_put(state, jax.tree.map(lambda x: NamedSharding(mesh, spec_of(x.shape)), state))
         params = jax.device_put(params, NamedSharding(mesh, P()))
 
-    @functools.partial(jax.jit, compiler_options=FAST_COMPILE)
+    @jax.jit
     def step(params, state, grads):
         updates, state = tx.update(grads, state, params)
         return jax.tree.map(jnp.add, params, updates), state
@@ -91,7 +89,7 @@ def _newton_schulz_traffic(placement, shapes):
                          jax.eval_shape(tx.init, params))
     grads = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                         sharding=NamedSharding(mesh, spec_of(x.shape))), params)
-    compiled = jax.jit(lambda g, s: tx.update(g, s)).lower(grads, state).compile(FAST_COMPILE)
+    compiled = jax.jit(lambda g, s: tx.update(g, s)).lower(grads, state).compile()
     return received_by_kind(compiled.as_text(), 8)
 
 
@@ -140,7 +138,7 @@ def test_trainer_step_reduce_scatters_gradients_in_node_then_on_rails_and_gather
                                      nodes=2)
     step = make_train_step(s.graphdef, s.tx, BalancerConfig(**dict(c.balancing)), grad_fn=grad_fn)
     out = (jax.tree.map(lambda x: x.sharding, s.state), NamedSharding(s.mesh, P()))
-    hlo = jax.jit(step, out_shardings=out).lower(s.state, batch).compile(FAST_COMPILE).as_text()
+    hlo = jax.jit(step, out_shardings=out).lower(s.state, batch).compile().as_text()
     moved, over = received_by_kind(hlo, 8), received_by_axes(hlo, 8)
     param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(s.state["params"]))
     print(f"\nZeRO-1 train step, bytes received per device: {moved}, by mesh axes: {over} "

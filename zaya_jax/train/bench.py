@@ -7,8 +7,8 @@ compile/time/memory checks, bench_memory, bench_timing, bench_hf_driver + bench_
 bench_report the JSON headline and table, bench_profile the optional kernel trace):
 - our jitted train step `main` (forward, backward, Muon + AdamW update, balancing; donated state) and its parts
   (fwd, fwd_bwd, opt_zaya), the same step with AdamW on every parameter (main_adamw, opt_adamw), and with
-  lax.ragged_dot experts instead of the grouped-GEMM kernel (moe_ragged). On GPU `main` uses the Pallas
-  grouped-GEMM experts and the symmetric Gram kernel in Muon;
+  lax.ragged_dot experts instead of the grouped-GEMM kernel (moe_ragged). On GPU `main` is the trainer's path there:
+  the Pallas attention, norms and grouped-GEMM experts, the symmetric Gram kernel in Muon, layers unrolled;
 - gradient accumulation: one optimizer step over k microbatches of the same batch, the trainer's own program
   (accum{k}: make_accumulating_train_step, the micro-gradients summed in fp32 over a scan, one update);
 - 32k context (batch 1; first of no remat / save_dots / full remat that fits) and the largest batch at the bench
