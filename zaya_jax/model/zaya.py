@@ -17,6 +17,7 @@ from zaya_jax.config import ModelConfig
 from zaya_jax.model.base import RMSNormWeight, dtypes, normal_init
 from zaya_jax.model.cca import rope_inv_freq
 from zaya_jax.model.layer import DecoderLayer
+from zaya_jax.model.layer_stack import unstack_layers
 from zaya_jax.model.loss import head_logits
 from zaya_jax.ops import rmsnorm as norm_ops
 
@@ -116,8 +117,8 @@ class ZayaModel(nnx.Module):
             (h, _), counts = jax.lax.scan(body, (h, router_state), xs)
         else:
             carry, counts = (h, router_state), []
-            for i in range(cfg.num_hidden_layers):
-                carry, c = body(carry, jax.tree.map(lambda a: a[i], xs))
+            for layer_xs in unstack_layers(xs, cfg.num_hidden_layers):
+                carry, c = body(carry, layer_xs)
                 counts.append(c)
             h, counts = carry[0], jnp.stack(counts)
         y = norm_ops.rms_norm(h, self.norm.weight[...], cfg.rms_norm_eps, dt, impl=cfg.norm_impl)
