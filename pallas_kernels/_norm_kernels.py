@@ -61,27 +61,39 @@ def _store_stat(ref, start, rows, value, row_ok):
     plgpu.store(ref.at[pl.ds(start, rows)], value, mask=row_ok)
 
 
-def _row_loop(n_iters: int, rows: int, n_rows: int, d: int, block_d: int, load, body, accs):
+def _row_loop(n_iters: int, rows: int, n_rows: int, d: int, block_d: int, load, body, accs, prefetch: int = 1):
     """body(start, row_ok, mask, tiles, accs) -> accs over this program's row tiles; load(start, row_ok, mask)
-    -> tiles runs one step ahead. `start` is relative to the program's block of rows."""
-    first_row = pl.program_id(0) * (n_iters * rows)
-    if n_iters == 1:  # one tile per program: nothing to prefetch
-        row_ok, mask = _masks(first_row, rows, n_rows, block_d, d)
-        return body(0, row_ok, mask, load(0, row_ok, mask), accs)
+    -> tiles runs `prefetch` steps ahead (0: in the step that uses them). `start` is relative to the program's
+    block of rows.
 
-    def load_at(start):
+    Tiles loaded ahead are carried through the loop in registers: a load's registers are reserved from its issue,
+    so `prefetch` sets the bytes in flight per program (prefetch x tile bytes) at prefetch x tile registers. At a
+    low occupancy (the backward: one program per SM) that is what covers the memory latency."""
+    first_row = pl.program_id(0) * (n_iters * rows)
+
+    def load_at(it):
+        # Past the block's last step, re-read its last tile (in bounds, unused) instead of running past the block.
+        start = jnp.minimum(it, n_iters - 1) * rows
         row_ok, mask = _masks(first_row + start, rows, n_rows, block_d, d)
         return load(start, row_ok, mask)
 
-    def step(it, carry):
-        tiles, accs = carry
+    def run(it, tiles, accs):  # tiles None: load them here
         start = it * rows
-        # Prefetch; the last step re-reads its own tile (in bounds, unused) instead of running past the block.
-        next_tiles = load_at(jnp.minimum(start + rows, (n_iters - 1) * rows))
         row_ok, mask = _masks(first_row + start, rows, n_rows, block_d, d)
-        return next_tiles, body(start, row_ok, mask, tiles, accs)
+        return body(start, row_ok, mask, load(start, row_ok, mask) if tiles is None else tiles, accs)
 
-    return jax.lax.fori_loop(0, n_iters, step, (load_at(0), accs))[1]
+    if n_iters == 1:  # one tile per program: nothing to prefetch
+        return run(0, None, accs)
+    if not prefetch:
+        return jax.lax.fori_loop(0, n_iters, lambda it, accs: run(it, None, accs), accs)
+
+    def step(it, carry):
+        ahead, accs = carry  # ahead[k] holds the tiles of step it + k
+        loaded = load_at(it + prefetch)
+        return (*ahead[1:], loaded), run(it, ahead[0], accs)
+
+    ahead = tuple(load_at(k) for k in range(prefetch))
+    return jax.lax.fori_loop(0, n_iters, step, (ahead, accs))[1]
 
 
 def _sum_rows(x):
@@ -89,7 +101,7 @@ def _sum_rows(x):
 
 
 # ---------------------------------------------------------------------------------------------- forward kernels
-def _rms_fwd_kernel(x_ref, w_ref, y_ref, rstd_ref, *, d, eps, n_rows, rows, n_iters):
+def _rms_fwd_kernel(x_ref, w_ref, y_ref, rstd_ref, *, d, eps, n_rows, rows, n_iters, prefetch):
     block_d = x_ref.shape[-1]
     w = _load_vec(w_ref, d)
 
@@ -103,7 +115,7 @@ def _rms_fwd_kernel(x_ref, w_ref, y_ref, rstd_ref, *, d, eps, n_rows, rows, n_it
         _store_stat(rstd_ref, start, rows, rstd[:, 0], row_ok)
         return accs
 
-    _row_loop(n_iters, rows, n_rows, d, block_d, load, body, ())
+    _row_loop(n_iters, rows, n_rows, d, block_d, load, body, (), prefetch)
 
 
 def _merge_vectors(hs_ref, hb_ref, rs_ref, rb_ref, w_ref, d):
@@ -114,7 +126,7 @@ def _merge_vectors(hs_ref, hb_ref, rs_ref, rb_ref, w_ref, d):
 
 
 def _merge_fwd_kernel(b_ref, r_ref, hs_ref, hb_ref, rs_ref, rb_ref, w_ref, h_ref, y_ref, rstd_ref, *, d, eps, n_rows,
-                      rows, n_iters):
+                      rows, n_iters, prefetch):
     """h = branch * hs + residual * rs + c (see _merge_vectors). Padded columns load zeros for every vector, so h is
     0 there and the statistics are exact; padded rows are never stored."""
     block_d = b_ref.shape[-1]
@@ -132,10 +144,11 @@ def _merge_fwd_kernel(b_ref, r_ref, hs_ref, hb_ref, rs_ref, rb_ref, w_ref, h_ref
         _store_stat(rstd_ref, start, rows, rstd[:, 0], row_ok)
         return accs
 
-    _row_loop(n_iters, rows, n_rows, d, block_d, load, body, ())
+    _row_loop(n_iters, rows, n_rows, d, block_d, load, body, (), prefetch)
 
 
-def _layer_fwd_kernel(x_ref, w_ref, bias_ref, y_ref, mean_ref, rstd_ref, *, d, eps, n_rows, rows, n_iters):
+def _layer_fwd_kernel(x_ref, w_ref, bias_ref, y_ref, mean_ref, rstd_ref, *, d, eps, n_rows, rows, n_iters,
+                      prefetch):
     block_d = x_ref.shape[-1]
     w, bias = _load_vec(w_ref, d), _load_vec(bias_ref, d)
 
@@ -152,7 +165,7 @@ def _layer_fwd_kernel(x_ref, w_ref, bias_ref, y_ref, mean_ref, rstd_ref, *, d, e
         _store_stat(rstd_ref, start, rows, rstd[:, 0], row_ok)
         return accs
 
-    _row_loop(n_iters, rows, n_rows, d, block_d, load, body, ())
+    _row_loop(n_iters, rows, n_rows, d, block_d, load, body, (), prefetch)
 
 
 # --------------------------------------------------------------------------------------------- backward kernels
@@ -168,7 +181,7 @@ def _zeros(rows, block_d, n):
     return (jnp.zeros((rows, block_d), F32),) * n
 
 
-def _rms_bwd_kernel(x_ref, dy_ref, rstd_ref, w_ref, dx_ref, part_ref, *, d, n_rows, rows, n_iters):
+def _rms_bwd_kernel(x_ref, dy_ref, rstd_ref, w_ref, dx_ref, part_ref, *, d, n_rows, rows, n_iters, prefetch):
     block_d = x_ref.shape[-1]
     w = _load_vec(w_ref, d)
 
@@ -184,12 +197,12 @@ def _rms_bwd_kernel(x_ref, dy_ref, rstd_ref, w_ref, dx_ref, part_ref, *, d, n_ro
         _store_tile(dx_ref, start, rows, rstd * (dn - n * (_sum_rows(dn * n) / d)), mask)
         return (accs[0] + dy * n,)
 
-    accs = _row_loop(n_iters, rows, n_rows, d, block_d, load, body, _zeros(rows, block_d, 1))
+    accs = _row_loop(n_iters, rows, n_rows, d, block_d, load, body, _zeros(rows, block_d, 1), prefetch)
     _store_partials(part_ref, accs, d)
 
 
 def _merge_bwd_kernel(b_ref, r_ref, dh_ref, dy_ref, rstd_ref, hs_ref, hb_ref, rs_ref, rb_ref, w_ref,
-                      db_ref, dr_ref, part_ref, *, d, n_rows, rows, n_iters):
+                      db_ref, dr_ref, part_ref, *, d, n_rows, rows, n_iters, prefetch):
     """Partial column sums of g * branch, g * residual, g and dy * n (the wrapper adds the bias terms: no select
     per element). Padded rows load rstd = 0 and zero tiles, so their g and n are 0."""
     block_d = b_ref.shape[-1]
@@ -212,12 +225,12 @@ def _merge_bwd_kernel(b_ref, r_ref, dh_ref, dy_ref, rstd_ref, hs_ref, hb_ref, rs
         _store_tile(dr_ref, start, rows, g * rs, mask)
         return acc_b + g * branch, acc_r + g * resid, acc_g + g, acc_w + dy * n
 
-    accs = _row_loop(n_iters, rows, n_rows, d, block_d, load, body, _zeros(rows, block_d, 4))
+    accs = _row_loop(n_iters, rows, n_rows, d, block_d, load, body, _zeros(rows, block_d, 4), prefetch)
     _store_partials(part_ref, accs, d)
 
 
 def _layer_bwd_kernel(x_ref, dy_ref, mean_ref, rstd_ref, w_ref, dx_ref, part_ref, *, d, n_rows, rows,
-                      n_iters):
+                      n_iters, prefetch):
     block_d = x_ref.shape[-1]
     w = _load_vec(w_ref, d)
 
@@ -234,7 +247,7 @@ def _layer_bwd_kernel(x_ref, dy_ref, mean_ref, rstd_ref, w_ref, dx_ref, part_ref
         _store_tile(dx_ref, start, rows, dx, mask)
         return accs[0] + dy * xhat, accs[1] + dy
 
-    accs = _row_loop(n_iters, rows, n_rows, d, block_d, load, body, _zeros(rows, block_d, 2))
+    accs = _row_loop(n_iters, rows, n_rows, d, block_d, load, body, _zeros(rows, block_d, 2), prefetch)
     _store_partials(part_ref, accs, d)
 
 
@@ -265,7 +278,8 @@ def _rows_call(kernel, name, *, rows_in, stats_in, vecs_in, rows_out, n_stats_ou
                  + [_vma.out_struct((n_rows,), F32, like)] * n_stats_out
                  + [_vma.out_struct((programs, n_partials, d), F32, like)] * bool(n_partials))
     outs = pl.pallas_call(
-        functools.partial(kernel, d=d, n_rows=n_rows, rows=rows, n_iters=n_iters, **kernel_kw),
+        functools.partial(kernel, d=d, n_rows=n_rows, rows=rows, n_iters=n_iters, prefetch=launch.prefetch,
+                          **kernel_kw),
         grid=(programs,),
         in_specs=[row_spec] * len(rows_in) + [stat_spec] * len(stats_in) + [vec_spec] * len(vecs_in),
         out_specs=[row_spec] * len(rows_out) + [stat_spec] * n_stats_out + [part_spec] * bool(n_partials),

@@ -120,28 +120,37 @@ def attention_blocks(head_dim: int, q_len: int = 0) -> AttentionBlocks:
 class NormLaunch:
     """Launch of a row-wise norm kernel: each of `programs_per_cu` x (compute units) programs walks a contiguous
     range of rows, `rows` rows (a [rows, block_d] tile) per loop step, with `num_warps` warps. programs_per_cu = 0
-    launches one program per tile instead (no loop: many small resident programs hide the memory latency)."""
+    launches one program per tile instead (no loop: many small resident programs hide the memory latency).
+    `prefetch` tiles are loaded ahead of the one being reduced (held in registers: more bytes in flight per program
+    at the cost of registers, see `_norm_kernels._row_loop`); 0 loads each tile in its own step."""
     rows: int
     num_warps: int
     programs_per_cu: int = 4
     num_stages: int = 1
+    prefetch: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
 class NormTuning:
     """Launch rule of one norm pass for any width: a loop step covers `step_elems` elements (whole rows, at most
-    4), each lane holds `lane_elems` of them (this sets num_warps), `programs_per_cu` programs per compute unit."""
+    4), each lane holds `lane_elems` of them (this sets num_warps), `programs_per_cu` programs per compute unit,
+    `prefetch` tiles loaded ahead (see NormLaunch)."""
     step_elems: int = 2048
     lane_elems: int = 8
     programs_per_cu: int = 4
     num_stages: int = 1
+    prefetch: int = 1
+
+    def __post_init__(self):
+        if self.prefetch < 0:
+            raise ValueError(f"NormLaunch.prefetch must be >= 0 tiles ahead, got {self.prefetch}")
 
     def launch(self, block_d: int) -> NormLaunch:
         rows = max(1, min(4, self.step_elems // block_d))
         lanes = 64 if vendor() == "rocm" else 32
         warps = max(1, min(16 if lanes == 32 else 8, rows * block_d // (self.lane_elems * lanes)))
         return NormLaunch(rows=rows, num_warps=_pow2_floor(warps), programs_per_cu=self.programs_per_cu,
-                          num_stages=self.num_stages)
+                          num_stages=self.num_stages, prefetch=self.prefetch)
 
 
 # The [D] parameter vectors (and, in the backward, the [D] partial sums) stay in registers for the whole row loop,
@@ -170,7 +179,7 @@ def norm_tuning_of(launch: NormLaunch, block_d: int) -> NormTuning:
     """The table row that reproduces `launch` at width block_d (for printing tuned launches)."""
     lanes = 64 if vendor() == "rocm" else 32
     return NormTuning(step_elems=launch.rows * block_d, lane_elems=launch.rows * block_d // (launch.num_warps * lanes),
-                      programs_per_cu=launch.programs_per_cu, num_stages=launch.num_stages)
+                      programs_per_cu=launch.programs_per_cu, num_stages=launch.num_stages, prefetch=launch.prefetch)
 
 
 def norm_launch(block_d: int, phase: str = "fwd") -> NormLaunch:

@@ -119,6 +119,26 @@ def test_one_program_per_tile_and_multi_row_merge_partials():
         kern.rms_forward(branch, w, eps=EPS, out_dtype=jnp.float32, launch=NormLaunch(1, 1, -1))
 
 
+@pytest.mark.parametrize("prefetch", [0, 2, 3])
+def test_merge_prefetch_depths(prefetch):
+    """Tiles loaded 0, 2 or 3 steps ahead (3: more than the 3 steps a program walks, so the look-ahead clamps to
+    the block's last tile) over ragged multi-row loops: same results as the references; bad depths are refused."""
+    k, _, (hs, hb, rs, rb, w, _) = _inputs(7, 1, 72, jnp.float32)
+    branch, residual = jax.random.normal(k[7], (11, 72)), 4.0 * jax.random.normal(k[8], (11, 72))
+    dh, dy = jax.random.normal(k[9], residual.shape), jax.random.normal(k[0], residual.shape)
+    ref_out, pull = jax.vjp(lambda *a: ops.merge_rms_norm_reference(*a, EPS, jnp.float32), branch, residual, hs, hb,
+                            rs, rb, w)
+    launch = NormLaunch(rows=2, num_warps=1, prefetch=prefetch)
+    h, y, rstd = kern.merge_forward(branch, residual, hs, hb, rs, rb, w, eps=EPS, out_dtype=jnp.float32,
+                                    launch=launch, programs=2)
+    d_b, d_r, g_b, g_r, g_sum, g_w = kern.merge_backward(branch, residual, dh, dy, rstd, hs, hb, rs, rb, w,
+                                                         launch=launch, programs=2)
+    _assert_close(((h, y), (d_b, d_r, g_b, hs * g_sum, g_r, rs * g_sum, g_w)), (ref_out, pull((dh, dy))),
+                  jnp.float32, f"merge prefetch={prefetch}")
+    with pytest.raises(ValueError, match="prefetch"):
+        NormLaunch(rows=1, num_warps=1, prefetch=-1)
+
+
 def test_dispatch_through_ops():
     _, x, (w, b, *_) = _inputs(4, 6, 32, jnp.float32)
     _assert_close(ops.rms_norm(x, w, EPS, impl="pallas"), ops.rms_norm(x, w, EPS), jnp.float32, "ops.rms_norm")
