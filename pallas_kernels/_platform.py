@@ -51,6 +51,11 @@ class AttentionBlocks:
     fwd_warps: int = 8
     fwd_stages: int = 3
     fwd_heads: int = 1
+    # Forward, unmasked key blocks only: `fwd_pipeline` issues the next block's QK^T before this block's softmax
+    # (so an asynchronous tensor-core dot may overlap the exp2 work); `fwd_lazy_rescale` raises the running row
+    # maxima (and rescales the accumulator) only when one grows by more than a factor 2^8 (see `_attention_kernels`).
+    fwd_pipeline: bool = False
+    fwd_lazy_rescale: bool = False
     dq_q: int = 128
     dq_k: int = 64
     dq_warps: int = 8
