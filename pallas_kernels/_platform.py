@@ -134,6 +134,10 @@ class NormLaunch:
     num_stages: int = 1
     prefetch: int = 1
 
+    def __post_init__(self):
+        if self.prefetch < 0:
+            raise ValueError(f"NormLaunch.prefetch must be >= 0 tiles ahead, got {self.prefetch}")
+
 
 @dataclasses.dataclass(frozen=True)
 class NormTuning:
@@ -145,10 +149,6 @@ class NormTuning:
     programs_per_cu: int = 4
     num_stages: int = 1
     prefetch: int = 1
-
-    def __post_init__(self):
-        if self.prefetch < 0:
-            raise ValueError(f"NormLaunch.prefetch must be >= 0 tiles ahead, got {self.prefetch}")
 
     def launch(self, block_d: int) -> NormLaunch:
         rows = max(1, min(4, self.step_elems // block_d))
