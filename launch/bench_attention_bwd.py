@@ -1,8 +1,8 @@
 """CCA attention kernel options against cuDNN: `python -m launch.bench_attention_bwd [--out FILE] [--quick]`.
 
 At B=4, T=4096 and B=1, T=32768 (8 q / 2 kv heads, d=128, causal, bf16; --shapes picks and orders them) it times
-cuDNN and each Pallas variant (field overrides of the table's row: backward options, forward and dq tilings,
-the forward's pipelined / lazily rescaled unmasked loop) end to end through the public API: forward alone and
+cuDNN and each Pallas variant (field overrides of the table's row: backward options, forward, dq and dk/dv
+tilings) end to end through the public API: forward alone and
 forward + backward (medians, pallas_kernels/_bench), and checks o, dq, dk, dv against cuDNN's on the same inputs
 (relative Frobenius error). It also times the dq and dk/dv kernels alone (`kernel_ms`, with the forward's
 end-to-end time as its `fwd`, and TFLOP/s of the flops each really does), so a row shows which kernel limits.
@@ -36,32 +36,37 @@ def _fwd(q, k, warps, stages, heads=1, **extra):
     return dict(fwd_q=q, fwd_k=k, fwd_warps=warps, fwd_stages=stages, fwd_heads=heads, **extra)
 
 
+def _dkv(q, heads, k, warps, stages):
+    return dict(dkv_q=q, dkv_heads=heads, dkv_k=k, dkv_warps=warps, dkv_stages=stages)
+
+
 def _dq(q, k, warps, stages, heads=1):
     return dict(dq_q=q, dq_k=k, dq_warps=warps, dq_stages=stages, dq_heads=heads)
 
 
 # Variant name -> fields replaced in the table's row for the shape (which includes the long-sequence forward).
-# split_qXhY / atomic_qXhY fix the dk/dv tiling (dkv_q=X positions x Y stacked heads); fwd_qXkYwZsS[hH] fix the
-# forward's (query x key tile, warps, pipeline stages, stacked heads), dq_qXkYwZsS[hH] the dq kernel's; suffixes
-# _pipe / _lazy turn on the forward's software-pipelined QK^T / lazy rescaling. Each keeps the rest of the row.
+# split_qXhY / atomic_qXhY fix the dk/dv tiling (dkv_q=X positions x Y stacked heads), dkv_qXhYkKwWsS also its key
+# tile, warps and pipeline stages; fwd_qXkYwZsS[hH] fix the forward's (query x key tile, warps, pipeline stages,
+# stacked heads), dq_qXkYwZsS[hH] the dq kernel's. Each keeps the rest of the row.
 VARIANTS = {
     "split": {},
     "split_q32h2": dict(dkv_q=32, dkv_heads=2),
     "split_q16h4": dict(dkv_q=16, dkv_heads=4),
+    "dkv_q16h4k128w8s2": _dkv(16, 4, 128, 8, 2),
+    "dkv_q16h4k128w8s4": _dkv(16, 4, 128, 8, 4),
+    "dkv_q16h4k128w4s3": _dkv(16, 4, 128, 4, 3),
+    "dkv_q32h4k128w8s3": _dkv(32, 4, 128, 8, 3),
+    "dkv_q32h4k128w8s2": _dkv(32, 4, 128, 8, 2),
+    "dkv_q16h4k64w4s3": _dkv(16, 4, 64, 4, 3),
+    "dkv_q16h2k128w8s3": _dkv(16, 2, 128, 8, 3),
     "atomic": dict(bwd="atomic"),
     "atomic_q32h2": dict(bwd="atomic", dkv_q=32, dkv_heads=2),
     "atomic_q16h2": dict(bwd="atomic", dkv_q=16, dkv_heads=2),
     "atomic_q32h1": dict(bwd="atomic", dkv_q=32, dkv_heads=1),
     "atomic_q16h4": dict(bwd="atomic", dkv_q=16, dkv_heads=4),
-    # forward: the table's tiles with the unmasked loop pipelined and/or lazily rescaled
-    "fwd_pipe": dict(fwd_pipeline=True),
-    "fwd_lazy": dict(fwd_lazy_rescale=True),
-    "fwd_pipe_lazy": dict(fwd_pipeline=True, fwd_lazy_rescale=True),
     # forward tiles (s = pipeline stages; 2-3 programs per SM need <= ~113 KB of shared memory each)
     "fwd_q128k128w8s2": _fwd(128, 128, 8, 2),
     "fwd_q128k128w8s3": _fwd(128, 128, 8, 3),
-    "fwd_q128k128w8s3_lazy": _fwd(128, 128, 8, 3, fwd_lazy_rescale=True),
-    "fwd_q128k128w8s3_pipe": _fwd(128, 128, 8, 3, fwd_pipeline=True),
     "fwd_q128k64w8s2": _fwd(128, 64, 8, 2),
     "fwd_q128k64w8s4": _fwd(128, 64, 8, 4),
     "fwd_q64k128w8s2h2": _fwd(64, 128, 8, 2, 2),
@@ -73,10 +78,7 @@ VARIANTS = {
     "fwd_q256k64w16s2": _fwd(256, 64, 16, 2),
     "fwd_q256k32w16s3": _fwd(256, 32, 16, 3),
     "fwd_q256k64w8s2": _fwd(256, 64, 8, 2),
-    "fwd_q256k64w16s3_lazy": _fwd(256, 64, 16, 3, fwd_lazy_rescale=True),
-    "fwd_q256k64w16s3_pipe": _fwd(256, 64, 16, 3, fwd_pipeline=True),
     "fwd_q128k64w16s3h2": _fwd(128, 64, 16, 3, 2),
-    "fwd_q128k64w16s3h2_lazy": _fwd(128, 64, 16, 3, 2, fwd_lazy_rescale=True),
     # dq kernel tiles (the table's: q128 k64 w8 s3)
     "dq_q128k128w8s2": _dq(128, 128, 8, 2),
     "dq_q128k64w8s2": _dq(128, 64, 8, 2),

@@ -133,70 +133,32 @@ def _query_grid_specs(B, Tp, Sp, H, KV, dp, bq, heads):
 
 
 # ------------------------------------------------------------------------------------------------------ forward
-# Lazy rescaling (blocks.fwd_lazy_rescale): in the unmasked loop the running row maxima m are only raised when some
-# row's block maximum exceeds its m by more than this many doublings; otherwise the step keeps m, skips the
-# rescale of the [rows, dp] accumulator and its p = 2^(s2 - m) may reach 2^8 (exact in bf16's exponent range,
-# l and acc stay fp32). The step still needs one tile-wide maximum to decide.
-LAZY_RESCALE_LOG2 = 8.0
-
-
-def _fwd_kernel(rng_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *rest, c, block_k, heads, has_seg, has_window,
-                pipeline, lazy_rescale):
+def _fwd_kernel(rng_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *rest, c, block_k, heads, has_seg, has_window):
     qs_ref, ks_ref, window, (o_ref, lse_ref) = _optional_refs(rest, has_seg, has_window, 2)
     q = _stack(q_ref[...], heads)
     rows, dp = q.shape
-    n_blocks = k_ref.shape[0] // block_k
     q_pos = _per_row(qp_ref[...], heads)[:, None]
     q_seg = _per_row(qs_ref[...], heads)[:, None] if has_seg else None
 
-    def logits(j):
-        """Raw q . k of key block j ([rows, block_k] fp32, unscaled)."""
-        start = pl.multiple_of(j * block_k, block_k)
-        return plgpu.dot(q, k_ref[pl.ds(start, block_k), :], trans_b=True)
-
-    def accumulate(j, p, acc, l):
-        v = v_ref[pl.ds(pl.multiple_of(j * block_k, block_k), block_k), :]
-        return acc + plgpu.dot(p.astype(v.dtype), v), l + jnp.sum(p, axis=1)
-
-    def update(j, qk, carry, masked):
-        acc, m, l = carry
-        if masked:
-            start = pl.multiple_of(j * block_k, block_k)
-            kv_seg = ks_ref[pl.ds(start, block_k)][None, :] if has_seg else None
-            ok = _visible(q_pos, kp_ref[pl.ds(start, block_k)][None, :], q_seg, kv_seg, window)
-            s = jnp.where(ok, qk * c, NEG)
-            m_new = jnp.maximum(m, jnp.max(s, axis=1))
-            p = jnp.exp2(s - m_new[:, None])
-        else:
-            m_new = jnp.maximum(m, jnp.max(qk, axis=1) * c)
-            if lazy_rescale:
-                def rescale(acc, l, m, m_new):
-                    alpha = jnp.exp2(m - m_new)
-                    return acc * alpha[:, None], l * alpha, m_new
-
-                def keep(acc, l, m, m_new):
-                    return acc, l, m
-                acc, l, m = lax.cond(jnp.max(m_new - m) > LAZY_RESCALE_LOG2, rescale, keep, acc, l, m, m_new)
-                acc, l = accumulate(j, jnp.exp2(qk * c - m[:, None]), acc, l)
-                return acc, m, l
-            p = jnp.exp2(qk * c - m_new[:, None])
-        alpha = jnp.exp2(m - m_new)
-        acc, l = accumulate(j, p, acc * alpha[:, None], l * alpha)
-        return acc, m_new, l
-
     def run(lo, hi, carry, masked):
-        if masked or not pipeline:
-            return lax.fori_loop(lo, hi, lambda j, carry: update(j, logits(j), carry, masked), carry)
-
-        # Software pipelined: step j issues the QK^T of block j + 1 before block j's softmax and P.V, carrying
-        # the logits to the next step. The last step recomputes its own block (clamped, unused) rather than read
-        # past the range; an empty range computes one clamped in-bounds block and never uses it.
-        def step(j, state):
-            acc, m, l, qk = state
-            qk_next = logits(jnp.minimum(j + 1, hi - 1))
-            return (*update(j, qk, (acc, m, l), False), qk_next)
-        first = logits(jnp.minimum(lo, n_blocks - 1))
-        return lax.fori_loop(lo, hi, step, (*carry, first))[:3]
+        def step(j, carry):
+            acc, m, l = carry
+            start = pl.multiple_of(j * block_k, block_k)
+            qk = plgpu.dot(q, k_ref[pl.ds(start, block_k), :], trans_b=True)
+            if masked:
+                kv_seg = ks_ref[pl.ds(start, block_k)][None, :] if has_seg else None
+                ok = _visible(q_pos, kp_ref[pl.ds(start, block_k)][None, :], q_seg, kv_seg, window)
+                s = jnp.where(ok, qk * c, NEG)
+                m_new = jnp.maximum(m, jnp.max(s, axis=1))
+                p = jnp.exp2(s - m_new[:, None])
+            else:
+                m_new = jnp.maximum(m, jnp.max(qk, axis=1) * c)
+                p = jnp.exp2(qk * c - m_new[:, None])
+            alpha = jnp.exp2(m - m_new)
+            v = v_ref[pl.ds(start, block_k), :]
+            acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
+            return acc, m_new, l * alpha + jnp.sum(p, axis=1)
+        return lax.fori_loop(lo, hi, step, carry)
 
     init = (jnp.zeros((rows, dp), F32), jnp.full((rows,), NEG, F32), jnp.zeros((rows,), F32))
     acc, m, l = _three_loops(rng_ref, run, init)
@@ -219,8 +181,7 @@ def forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, window, ranges, *, scale, blo
     in_specs = [sp["ranges"], sp["q"], sp["kv"], sp["kv"], sp["q_vec"], sp["kv_vec"]] + opt_specs
     return pl.pallas_call(
         functools.partial(_fwd_kernel, c=scale * LOG2E, block_k=bk, heads=heads, has_seg=q_seg is not None,
-                          has_window=window is not None, pipeline=blocks.fwd_pipeline,
-                          lazy_rescale=blocks.fwd_lazy_rescale),
+                          has_window=window is not None),
         grid=(H // heads, B, Tp // bq),
         in_specs=in_specs,
         out_specs=[sp["q"], sp["stats"]],

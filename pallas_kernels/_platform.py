@@ -51,11 +51,6 @@ class AttentionBlocks:
     fwd_warps: int = 8
     fwd_stages: int = 3
     fwd_heads: int = 1
-    # Forward, unmasked key blocks only: `fwd_pipeline` issues the next block's QK^T before this block's softmax
-    # (so an asynchronous tensor-core dot may overlap the exp2 work); `fwd_lazy_rescale` raises the running row
-    # maxima (and rescales the accumulator) only when one grows by more than a factor 2^8 (see `_attention_kernels`).
-    fwd_pipeline: bool = False
-    fwd_lazy_rescale: bool = False
     dq_q: int = 128
     dq_k: int = 64
     dq_warps: int = 8
@@ -86,12 +81,16 @@ class AttentionBlocks:
 
 
 # The attention tuning table. `python -m launch.tune_kernels` prints a replacement row for the backend it runs on.
-# CUDA: from the row `launch.tune_kernels` chose on the H200 (benchmarks/tune_h200.json; 8 q / 2 kv heads,
-# d=128): forward q tile 64 with 4 warps. ROCm values are untuned starting points.
+# ROCm values are untuned starting points.
 _ATTENTION = {
-    # dk/dv with 2 stacked query heads: fwd+bwd 0.90x cuDNN at B=4, T=4096 against 0.82x unstacked
-    # (benchmarks/attention_bwd_h200.json; dk now gathered row by row, see _attention_kernels.py)
-    "cuda": AttentionBlocks(fwd_q=64, fwd_warps=4, dkv_q=32, dkv_heads=2),
+    # H200, 8 q / 2 kv heads, d=128 (benchmarks/attention_fwd_variants_h200.json): forward 128 x 128 tiles with 8
+    # warps, 0.354 ms at B=4, T=4096 against 0.372 for 64 x 64 with 4 warps (4.66 against 4.93 ms at T=32768);
+    # 256-row tiles and stacked heads measured slower, and so did two loop variants since removed: the next block's
+    # QK^T issued before this block's softmax (Triton waits for it at once: 1.2-1.7x the time) and the accumulator
+    # rescaled only when a row maximum grows past 2^8 (FA4's lazy rescale: 1.03-1.08x the time). dq with 4
+    # pipeline stages: level with 3 within noise (5.54 against 5.59 ms at 32k). dk/dv with 2 stacked query heads:
+    # fwd+bwd 0.90x cuDNN at B=4, T=4096 against 0.82x unstacked (benchmarks/attention_bwd_h200.json).
+    "cuda": AttentionBlocks(fwd_q=128, fwd_k=128, fwd_warps=8, fwd_stages=3, dq_stages=4, dkv_q=32, dkv_heads=2),
     # MI300X: 64-lane wavefronts (4 waves = 256 lanes), AMD's Triton pipeliner wants num_stages 1-2.
     "rocm": AttentionBlocks(fwd_q=128, fwd_k=64, fwd_warps=4, fwd_stages=1, dq_q=128, dq_k=64, dq_warps=4,
                             dq_stages=1, dkv_q=64, dkv_k=128, dkv_warps=4, dkv_stages=1),
@@ -102,12 +101,10 @@ _ATTENTION = {
 }
 
 
-# Long query sequences (q_len >= the key): fields that replace the table's. On the H200 at B=1, T=32768
-# (benchmarks/tune_h200.json) the forward with 128-row tiles and 8 warps took 4.96 ms against 5.50 ms for the
-# 4k-tuned 64-row tiles; dk/dv with 16 positions x 4 stacked heads: 0.77x cuDNN at T=32768 against 0.69x unstacked
-# (benchmarks/attention_bwd_h200.json).
+# Long query sequences (q_len >= the key): fields that replace the table's. On the H200 at B=1, T=32768, dk/dv with 16
+# positions x 4 stacked heads: 0.77x cuDNN against 0.69x unstacked (benchmarks/attention_bwd_h200.json).
 _ATTENTION_LONG = {
-    "cuda": (16384, dict(fwd_q=128, fwd_warps=8, fwd_heads=1, dkv_q=16, dkv_heads=4)),
+    "cuda": (16384, dict(dkv_q=16, dkv_heads=4)),
 }
 
 
@@ -116,8 +113,9 @@ def attention_blocks(head_dim: int, q_len: int = 0) -> AttentionBlocks:
     long = _ATTENTION_LONG.get(vendor())
     if long is not None and q_len >= long[0]:
         blocks = dataclasses.replace(blocks, **long[1])
-    if head_dim > 128 and vendor() != "cpu":  # keep the fp32 accumulators of a q tile in registers
-        blocks = dataclasses.replace(blocks, fwd_q=64, dq_q=64, dkv_k=64)
+    if head_dim > 128 and vendor() != "cpu":  # fp32 accumulators of a q tile in registers, K/V stages in shared memory
+        blocks = dataclasses.replace(blocks, fwd_q=64, fwd_k=64, fwd_warps=4, dq_q=64, dkv_k=64,
+                                     dq_stages=min(blocks.dq_stages, 3))
     return blocks
 
 
@@ -159,11 +157,12 @@ class NormTuning:
 
 
 # The [D] parameter vectors (and, in the backward, the [D] partial sums) stay in registers for the whole row loop,
-# so wide rows get more lanes rather than more registers per lane. On the H200 (D=2048, 16384 rows) the fused merge
-# measured 0.83-0.85 of copy bandwidth forward with 8 warps x 6 programs per SM (x 8: 0.75-0.78) and 0.73 backward
-# with 8 warps x 2 programs (x 4: 0.63-0.68; 16 warps: 0.61-0.63). `python -m launch.tune_kernels` prints new rows.
+# so wide rows get more lanes rather than more registers per lane, and the bytes in flight come from tiles loaded
+# ahead. On the H200 (D=2048, 16384 rows, benchmarks/norm_h200.json) the fused merge with 16 warps and 3 tiles ahead:
+# forward 0.85 of copy bandwidth at 2 programs per SM, backward 0.79 at 1 (8 warps, 1 tile ahead, 6 / 2 programs:
+# 0.82 / 0.74); fwd+bwd 0.82 against 0.78. `python -m pallas_kernels._tune_norm` prints new rows.
 _NORM = {
-    "cuda": {"fwd": NormTuning(2048, 8, 6, 1), "bwd": NormTuning(2048, 8, 2, 1)},  # benchmarks/norm_h200.json
+    "cuda": {"fwd": NormTuning(2048, 4, 2, 1, 3), "bwd": NormTuning(2048, 4, 1, 1, 3)},
     "rocm": {"fwd": NormTuning(2048, 8, 8, 1), "bwd": NormTuning(2048, 8, 4, 1)},
     "cpu": {"fwd": NormTuning(2048, 8, 8, 1), "bwd": NormTuning(2048, 8, 4, 1)},
 }

@@ -67,36 +67,6 @@ def test_causal_gqa(dtype, dkv_split, heads, bwd):
     _check(q, k, v, do, dtype, blocks=blocks)
 
 
-# Forward variants of the unmasked loop (software-pipelined QK^T, lazy rescaling), one head and two stacked heads
-# per tile. Keys grow in scale along the sequence, so the row maxima jump by more than the lazy slack (2^8) in the
-# middle of the unmasked loop as well as at its first block. T = 100 (no block multiple): with 32 x 16 tiles the
-# last query block runs 4 unmasked key blocks, the first none (the pipeline's clamped first QK^T is then unused);
-# segment ids and a sliding window put masked blocks before the unmasked ones too.
-@pytest.mark.parametrize("pipeline,lazy,heads", [(True, False, 2), (False, True, 2), (True, True, 1)])
-def test_forward_pipeline_and_lazy_rescale(pipeline, lazy, heads):
-    B, T = 2, 100
-    q, k, v, do = _qkv(15, B, T, T, 4, 2, 16, jnp.float32)
-    k = k * jnp.linspace(0.2, 60.0, T)[None, :, None, None]
-    blocks = dataclasses.replace(_platform.attention_blocks(16), fwd_q=32, fwd_k=16, fwd_heads=heads,
-                                 fwd_pipeline=pipeline, fwd_lazy_rescale=lazy)
-    seg = jnp.array([[0] * 37 + [1] * 63, [0] * 70 + [1] * 30], jnp.int32)
-    _check(q, k, v, do, jnp.float32, blocks=blocks)
-    _check(q, k, v, do, jnp.float32, blocks=blocks, q_segment_ids=seg)
-    _check(q, k, v, do, jnp.float32, blocks=blocks, sliding_window=53)
-
-
-@pytest.mark.parametrize("fields", [dict(fwd_pipeline=True), dict(fwd_lazy_rescale=True),
-                                    dict(fwd_pipeline=True, fwd_lazy_rescale=True, fwd_q=256, fwd_warps=16)])
-def test_forward_variants_lower_to_triton_for_cuda(monkeypatch, fields):
-    """The Triton lowering (not run by interpret mode) accepts the pipelined loop and the lazy rescale's branch."""
-    monkeypatch.setattr(_platform, "interpret", lambda: False)
-    blocks = dataclasses.replace(_platform.AttentionBlocks(fwd_q=128, fwd_k=64), **fields)
-    q, k, v, _ = _qkv(16, 1, 512, 512, 8, 2, 128, jnp.bfloat16)
-    text = _vma.lower_in_shard_map_for_cuda(functools.partial(pk.attention, blocks=blocks), (q, k, v),
-                                            in_specs=(P(), P(), P()), out_specs=P(), shards=1)
-    assert text.count("__gpu$xla.gpu.triton") == 1 and 'name = "cca_attention_fwd"' in text
-
-
 def test_stacked_heads_clip_to_the_group():
     assert [pk.kern.stacked_heads(g, 4) for g in (1, 2, 3, 4, 6, 8)] == [1, 2, 1, 4, 2, 4]
     assert pk.kern.stacked_heads(8, 1) == 1
