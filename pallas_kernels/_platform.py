@@ -158,11 +158,12 @@ class NormTuning:
 
 # The [D] parameter vectors (and, in the backward, the [D] partial sums) stay in registers for the whole row loop,
 # so wide rows get more lanes rather than more registers per lane, and the bytes in flight come from tiles loaded
-# ahead. On the H200 (D=2048, 16384 rows, benchmarks/norm_h200.json) the fused merge with 16 warps and 3 tiles ahead:
-# forward 0.85 of copy bandwidth at 2 programs per SM, backward 0.79 at 1 (8 warps, 1 tile ahead, 6 / 2 programs:
-# 0.82 / 0.74); fwd+bwd 0.82 against 0.78. `python -m pallas_kernels._tune_norm` prints new rows.
+# ahead. On the H200 (D=2048, 16384 rows; benchmarks/norm_h200.json, kernels_h200.json) the fused merge backward runs
+# at 0.79 of copy bandwidth with 16 warps x 1 program per SM and 3 tiles ahead (8 warps x 2, 1 ahead: 0.74). The
+# forward stays at 8 warps x 6 programs, 1 ahead (0.84-0.86 in bench_kernels): 16 warps x 2, 3 ahead measured 0.86
+# alone in the tuner but 0.78-0.84 in bench_kernels. `python -m pallas_kernels._tune_norm` prints new rows.
 _NORM = {
-    "cuda": {"fwd": NormTuning(2048, 4, 2, 1, 3), "bwd": NormTuning(2048, 4, 1, 1, 3)},
+    "cuda": {"fwd": NormTuning(2048, 8, 6, 1), "bwd": NormTuning(2048, 4, 1, 1, 3)},
     "rocm": {"fwd": NormTuning(2048, 8, 8, 1), "bwd": NormTuning(2048, 8, 4, 1)},
     "cpu": {"fwd": NormTuning(2048, 8, 8, 1), "bwd": NormTuning(2048, 8, 4, 1)},
 }
