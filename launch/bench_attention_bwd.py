@@ -59,11 +59,6 @@ VARIANTS = {
     "dkv_q32h4k128w8s2": _dkv(32, 4, 128, 8, 2),
     "dkv_q16h4k64w4s3": _dkv(16, 4, 64, 4, 3),
     "dkv_q16h2k128w8s3": _dkv(16, 2, 128, 8, 3),
-    # the dk/dv kernel stores dS, the dq kernel reads it (one matmul per tile); the dq tiling applies to the latter
-    "stored": dict(bwd="stored"),
-    "stored_dq_k128s3": dict(bwd="stored", dq_k=128, dq_stages=3),
-    "stored_dq_q64k128w4s3": dict(bwd="stored", dq_q=64, dq_k=128, dq_warps=4, dq_stages=3),
-    "stored_dq_k64s3": dict(bwd="stored", dq_stages=3),
     "atomic": dict(bwd="atomic"),
     "atomic_q32h2": dict(bwd="atomic", dkv_q=32, dkv_heads=2),
     "atomic_q16h2": dict(bwd="atomic", dkv_q=16, dkv_heads=2),

@@ -1,6 +1,5 @@
-"""Flash-attention kernels for grouped-query attention (Pallas, Triton lowering): forward, dq, dk/dv, a fused
-backward (dk/dv with atomically added dq), and a backward whose dk/dv kernel also stores dS for a dq kernel that
-then needs one matmul per tile instead of three.
+"""Flash-attention kernels for grouped-query attention (Pallas, Triton lowering): forward, dq, dk/dv, and a fused
+backward (dk/dv with atomically added dq).
 
 Layouts: q/o/dq [B, Tp, H, dp], k/v/dk/dv [B, Sp, KV, dp], lse/delta [B, H, Tp] fp32, positions/segments
 [B, Tp] / [B, Sp] int32, the sliding window a [1] int32 array (or None; an array so that scanned layers may
@@ -247,16 +246,13 @@ def backward_dq(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, 
 
 # ------------------------------------------------------------------------------------------------------- dk, dv
 def _dkv_kernel(rng_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, *rest, c, scale,
-                block_q, groups, heads, has_seg, has_window, with_dq, store_ds):
+                block_q, groups, heads, has_seg, has_window, with_dq):
     """One key block of one KV head; loops over (query block, block of `heads` query heads) pairs of its group.
     The logits are computed transposed ([block_k, query rows]) so dk and dv accumulate without transposes.
     with_dq (the fused backward): each step also adds its unscaled dq contribution ds . k to the zero-initialised
-    fp32 dq with atomic adds (programs of other key blocks add to the same rows; the order is not fixed).
-    store_ds: each step also writes its ds tile (compute dtype, key-major) into dS [groups, Sp, Tp]."""
+    fp32 dq with atomic adds (programs of other key blocks add to the same rows; the order is not fixed)."""
     if with_dq:
         qs_ref, ks_ref, window, (_, dk_ref, dv_ref, dq_ref) = _optional_refs(rest, has_seg, has_window, 4)
-    elif store_ds:
-        qs_ref, ks_ref, window, (dk_ref, dv_ref, ds_ref) = _optional_refs(rest, has_seg, has_window, 3)
     else:
         qs_ref, ks_ref, window, (dk_ref, dv_ref) = _optional_refs(rest, has_seg, has_window, 2)
     k, v = k_ref[...], v_ref[...]
@@ -269,8 +265,6 @@ def _dkv_kernel(rng_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref
     row = lax.broadcasted_iota(jnp.int32, (block_q * heads,), 0)
     row_pos, row_head = lax.div(row, heads), lax.rem(row, heads)
     col = lax.broadcasted_iota(jnp.int32, (k.shape[1],), 0)
-    key_start = pl.program_id(2) * k.shape[0]
-    key_rows = key_start + lax.broadcasted_iota(jnp.int32, (k.shape[0],), 0)
 
     def run(lo, hi, carry, masked):
         def step(t, carry):
@@ -299,11 +293,6 @@ def _dkv_kernel(rng_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref
                 # stacked: integer indices on every axis (the interpreter's atomics reject mixed slice/array ones)
                 idx = (pos, hd, slice(None)) if heads == 1 else (pos[:, None], hd[:, None], col[None, :])
                 plgpu.atomic_add(dq_ref, idx, dq_part)
-            if store_ds:
-                if heads == 1:
-                    ds_ref[hd, pl.ds(key_start, k.shape[0]), pos] = ds_t
-                else:  # stacked rows scatter to (head, key, position); integer indices on every axis, as above
-                    ds_ref[hd[None, :], key_rows[:, None], pos[None, :]] = ds_t
             return dk + plgpu.dot(ds_t, q), dv
         return lax.fori_loop(0, (hi - lo) * head_blocks, step, carry)
 
@@ -332,16 +321,7 @@ def dkv_split(heads: int, kv_heads: int, batch: int, n_kv_blocks: int, requested
 def backward_dkv(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ranges, *, scale, blocks):
     """-> (dk, dv) in k.dtype."""
     return _dkv_call(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ranges, scale=scale,
-                     blocks=blocks)
-
-
-def backward_dkv_storing_ds(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ranges, *, scale,
-                            blocks):
-    """-> (dk, dv) in k.dtype and dS [B, H, Sp, Tp] in q.dtype, key-major, WITHOUT the softmax scale. Only the
-    (key block, query block) tiles in the loop ranges are written; the rest of dS is left uninitialised (the
-    dq kernel masks every tile that is not wholly visible, so it never uses those values)."""
-    return _dkv_call(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ranges, scale=scale,
-                     blocks=blocks, store_ds=True)
+                     blocks=blocks, with_dq=False)
 
 
 def backward_fused(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ranges, *, scale, blocks):
@@ -353,8 +333,7 @@ def backward_fused(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, windo
                      blocks=blocks, with_dq=True)
 
 
-def _dkv_call(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ranges, *, scale, blocks,
-              with_dq=False, store_ds=False):
+def _dkv_call(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ranges, *, scale, blocks, with_dq):
     B, Tp, H, dp = q.shape
     Sp, KV = k.shape[1], k.shape[2]
     bq, bk = blocks.dkv_q, blocks.dkv_k
@@ -386,12 +365,9 @@ def _dkv_call(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ra
         in_specs.append(group_spec)
         out_specs.append(group_spec)
         out_shapes.append(_vma.out_struct((B, Tp, H, dp), F32, q))
-    if store_ds:  # the program's query heads, every key row and query position
-        out_specs.append(pl.BlockSpec((None, groups, Sp, Tp), lambda g, b, j: (b, g, 0, 0)))
-        out_shapes.append(_vma.out_struct((B, H, Sp, Tp), q.dtype, q))
     outs = pl.pallas_call(
         functools.partial(_dkv_kernel, c=scale * LOG2E, scale=scale, block_q=bq, groups=groups, heads=heads,
-                          has_seg=has_seg, has_window=window is not None, with_dq=with_dq, store_ds=store_ds),
+                          has_seg=has_seg, has_window=window is not None, with_dq=with_dq),
         grid=(KV * split, B, nk),
         in_specs=in_specs,
         out_specs=out_specs,
@@ -405,51 +381,4 @@ def _dkv_call(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ra
         dk = dk.reshape(B, Sp, KV, split, dp).sum(axis=3)
         dv = dv.reshape(B, Sp, KV, split, dp).sum(axis=3)
     dk, dv = dk.astype(k.dtype), dv.astype(v.dtype)
-    return (dk, dv, outs[2]) if (with_dq or store_ds) else (dk, dv)
-
-
-# ------------------------------------------------------------------------------------------------- dq from dS
-def _dq_from_ds_kernel(rng_ref, k_ref, ds_ref, qp_ref, kp_ref, *rest, scale, block_k, has_seg, has_window):
-    """dq of one query block of one head: the sum over its key blocks of dSᵀ-tile . K (dS as the dk/dv kernel
-    stored it). Tiles that are not wholly visible are masked first: that zeroes the pairs no query sees and any
-    unwritten (uninitialised) part of dS."""
-    qs_ref, ks_ref, window, (dq_ref,) = _optional_refs(rest, has_seg, has_window, 1)
-    q_pos = qp_ref[...][None, :]
-    q_seg = qs_ref[...][None, :] if has_seg else None
-
-    def run(lo, hi, dq, masked):
-        def step(j, dq):
-            start = pl.multiple_of(j * block_k, block_k)
-            ds_t = ds_ref[pl.ds(start, block_k), :]  # [block_k, block_q]
-            if masked:
-                kv_seg = ks_ref[pl.ds(start, block_k)][:, None] if has_seg else None
-                ok = _visible(q_pos, kp_ref[pl.ds(start, block_k)][:, None], q_seg, kv_seg, window)
-                ds_t = jnp.where(ok, ds_t, jnp.zeros_like(ds_t))
-            return dq + plgpu.dot(ds_t, k_ref[pl.ds(start, block_k), :], trans_a=True)
-        return lax.fori_loop(lo, hi, step, dq)
-
-    dq = _three_loops(rng_ref, run, jnp.zeros((qp_ref.shape[0], k_ref.shape[1]), F32))
-    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
-
-
-def backward_dq_from_ds(ds, k, q_pos, kv_pos, q_seg, kv_seg, window, ranges, *, scale, blocks, q_dtype):
-    """dq [B, Tp, H, dp] in q_dtype from the stored dS [B, H, Sp, Tp] (one head per tile: dq_heads is not used)."""
-    B, H, Sp, Tp = ds.shape
-    KV, dp = k.shape[2], k.shape[3]
-    bq, bk = blocks.dq_q, blocks.dq_k
-    ranges, ds, k, q_pos, kv_pos, q_seg, kv_seg, window = _vma.vary_to_union(
-        ranges, ds, k, q_pos, kv_pos, q_seg, kv_seg, window)
-    sp = _query_grid_specs(B, Tp, Sp, H, KV, dp, bq, 1)
-    nq = Tp // bq
-    ds_spec = pl.BlockSpec((None, None, Sp, bq), lambda h, b, i: (b, h, 0, nq - 1 - i))  # heaviest blocks first
-    opt_specs, opt_arrays = _optional_inputs(sp["q_vec"], sp["kv_vec"], q_seg, kv_seg, window)
-    return pl.pallas_call(
-        functools.partial(_dq_from_ds_kernel, scale=scale, block_k=bk, has_seg=q_seg is not None,
-                          has_window=window is not None),
-        grid=(H, B, nq),
-        in_specs=[sp["ranges"], sp["kv"], ds_spec, sp["q_vec"], sp["kv_vec"]] + opt_specs,
-        out_specs=sp["q"],
-        out_shape=_vma.out_struct((B, Tp, H, dp), q_dtype, ds),
-        compiler_params=_platform.compiler_params(blocks.dq_warps, blocks.dq_stages),
-        interpret=_platform.interpret(), name="cca_attention_dq_from_ds",
-    )(ranges, k, ds, q_pos, kv_pos, *opt_arrays)
+    return (dk, dv, outs[2]) if with_dq else (dk, dv)

@@ -37,15 +37,7 @@ def compiler_params(num_warps: int, num_stages: int) -> plgpu.CompilerParams:
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-BACKWARDS = ("split", "atomic", "stored")
-# The 'stored' backward keeps dS [B, H, S, T] in the compute dtype between its two kernels; above this many bytes it
-# falls back to 'split' (2^34 = 16 GiB: B=1, T=S=32768, 8 heads in bf16).
-STORED_DS_MAX_BYTES = 1 << 34
-
-
-def stored_ds_fits(q_shape, kv_len: int, dtype) -> bool:
-    B, T, H = q_shape[:3]
-    return B * H * kv_len * T * jnp.dtype(dtype).itemsize <= STORED_DS_MAX_BYTES
+BACKWARDS = ("split", "atomic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +64,7 @@ class AttentionBlocks:
     dkv_split: int = 0  # programs per KV head in dk/dv (0: enough to fill the GPU, see backward_dkv)
     # Backward: 'split' = a dq kernel over key blocks + a dk/dv kernel over query blocks (deterministic);
     # 'atomic' = one kernel with the dk/dv tiling adding dq with fp32 atomics (5 matmuls per tile instead of 7,
-    # summation order of dq not fixed); 'stored' = the dk/dv kernel also writes dS, the dq kernel reads it (5
-    # matmuls, deterministic, dS held in memory between the two: see STORED_DS_MAX_BYTES).
+    # summation order of dq not fixed).
     bwd: str = "split"
 
     def __post_init__(self):

@@ -98,15 +98,11 @@ def _flash_bwd(cfg: _Config, res, cotangents):
     do = do.astype(q.dtype)
     b = cfg.blocks
     dkv_ranges = _loop_ranges(cfg, *masks, b.dkv_q, b.dkv_k, per_kv_block=True)
-    dq_ranges = _loop_ranges(cfg, *masks, b.dq_q, b.dq_k, per_kv_block=False)
     if b.bwd == "atomic":
         dk, dv, dq = kern.backward_fused(q, k, v, do, lse2, delta, *masks, dkv_ranges, scale=cfg.scale, blocks=b)
         dq = (dq * cfg.scale).astype(q.dtype)
-    elif b.bwd == "stored" and _platform.stored_ds_fits(q.shape, k.shape[1], q.dtype):
-        dk, dv, ds = kern.backward_dkv_storing_ds(q, k, v, do, lse2, delta, *masks, dkv_ranges, scale=cfg.scale,
-                                                  blocks=b)
-        dq = kern.backward_dq_from_ds(ds, k, *masks, dq_ranges, scale=cfg.scale, blocks=b, q_dtype=q.dtype)
     else:
+        dq_ranges = _loop_ranges(cfg, *masks, b.dq_q, b.dq_k, per_kv_block=False)
         dq = kern.backward_dq(q, k, v, do, lse2, delta, *masks, dq_ranges, scale=cfg.scale, blocks=b)
         dk, dv = kern.backward_dkv(q, k, v, do, lse2, delta, *masks, dkv_ranges, scale=cfg.scale, blocks=b)
     # Inside shard_map the kernels ran on values varying over every input's mesh axes: a gradient is summed over

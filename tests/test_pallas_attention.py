@@ -56,12 +56,10 @@ def _check(q, k, v, do, dtype, blocks=None, **kw):
 # of one tile (1: one head per tile, 4: the whole group; the CPU default used by the other tests stacks 2).
 # bwd='atomic': the fused backward (dq by atomic adds; in interpret mode the programs run in order, so the adds
 # accumulate exactly like the GPU's, only in a fixed order), with one head per tile and with stacked heads on a
-# split group. bwd='stored': the dk/dv kernel stores dS (stacked rows scattered to their heads) for the dq kernel.
+# split group.
 @pytest.mark.parametrize("dtype,dkv_split,heads,bwd", [(jnp.float32, 1, 1, "split"), (jnp.bfloat16, 2, 4, "split"),
                                                        (jnp.float32, 1, 1, "atomic"),
-                                                       (jnp.bfloat16, 2, 2, "atomic"),
-                                                       (jnp.float32, 1, 2, "stored"),
-                                                       (jnp.bfloat16, 2, 1, "stored")])
+                                                       (jnp.bfloat16, 2, 2, "atomic")])
 def test_causal_gqa(dtype, dkv_split, heads, bwd):
     q, k, v, do = _qkv(0, 2, 45, 45, 8, 2, 32, dtype)
     blocks = dataclasses.replace(_platform.attention_blocks(32), dkv_split=dkv_split, fwd_heads=heads,
@@ -81,7 +79,7 @@ def test_odd_head_dim_group_of_three_and_mqa():
     _check(q, k, v, do, jnp.float32, scale=0.3)
 
 
-@pytest.mark.parametrize("bwd", ["split", "atomic", "stored"])
+@pytest.mark.parametrize("bwd", ["split", "atomic"])
 def test_sliding_window_segments_and_padding(bwd):
     B, T = 2, 48
     q, k, v, do = _qkv(3, B, T, T, 4, 2, 16, jnp.float32)
@@ -90,17 +88,6 @@ def test_sliding_window_segments_and_padding(bwd):
     blocks = dataclasses.replace(_platform.attention_blocks(16), bwd=bwd)
     _check(q, k, v, do, jnp.float32, blocks=blocks, sliding_window=9)
     _check(q, k, v, do, jnp.float32, blocks=blocks, q_segment_ids=seg, kv_valid=valid)
-
-
-def test_stored_ds_backward_masks_tiles_the_dkv_kernel_skipped():
-    """With a sliding window the dk/dv kernel skips query blocks no key of its block sees, so parts of dS stay
-    uninitialised (NaN in interpret mode); dq tiles that straddle them must mask them (T = 96: real rows, not
-    padding, fall there). Also the fallback: a dS over STORED_DS_MAX_BYTES runs the split backward."""
-    q, k, v, do = _qkv(5, 1, 96, 96, 4, 2, 16, jnp.float32)
-    blocks = dataclasses.replace(_platform.attention_blocks(16), bwd="stored")
-    _check(q, k, v, do, jnp.float32, blocks=blocks, sliding_window=9)
-    assert _platform.stored_ds_fits((1, 32768, 8), 32768, jnp.bfloat16)
-    assert not _platform.stored_ds_fits((2, 32768, 8), 32768, jnp.bfloat16)
 
 
 def test_backward_choice_is_checked_and_long_sequences_get_their_row(monkeypatch):
@@ -252,9 +239,7 @@ def _sharded_inputs(seed, B, T, H, KV, d, dtype):
 # each). In the 'kv' layout the kernels' first input (q) is invariant, yet their outputs must be typed varying.
 @pytest.mark.parametrize("chunked,summed", [("q", 2), ("kv", 1)])
 @pytest.mark.parametrize("bwd,kernels", [("split", ("cca_attention_fwd", "cca_attention_dq", "cca_attention_dkv")),
-                                         ("atomic", ("cca_attention_fwd", "cca_attention_bwd_fused")),
-                                         ("stored", ("cca_attention_fwd", "cca_attention_dkv",
-                                                     "cca_attention_dq_from_ds"))])
+                                         ("atomic", ("cca_attention_fwd", "cca_attention_bwd_fused"))])
 def test_fwd_bwd_lower_for_cuda_inside_shard_map(monkeypatch, bwd, kernels, chunked, summed):
     monkeypatch.setattr(_platform, "interpret", lambda: False)
     blocks = dataclasses.replace(_platform.attention_blocks(16, 64), bwd=bwd)
@@ -301,8 +286,7 @@ def test_gpu_attention_masks_and_positions():
 # the dk/dv kernel now gathers the stacked rows from memory. One head per 64-row tile is the unstacked control.
 @pytest.mark.gpu
 @pytest.mark.parametrize("bwd,dkv_q,dkv_heads", [("split", 32, 2), ("split", 16, 4), ("atomic", 32, 2),
-                                                 ("atomic", 16, 4), ("split", 64, 1), ("stored", 32, 2),
-                                                 ("stored", 16, 4)])
+                                                 ("atomic", 16, 4), ("split", 64, 1)])
 def test_gpu_stacked_dkv_heads_causal_gqa(bwd, dkv_q, dkv_heads, T=2048):
     q, k, v, do = _qkv(12, 2, T, T, 8, 2, 128, jnp.bfloat16)
     blocks = dataclasses.replace(_platform.attention_blocks(128, T), bwd=bwd, dkv_q=dkv_q, dkv_heads=dkv_heads)
@@ -311,14 +295,14 @@ def test_gpu_stacked_dkv_heads_causal_gqa(bwd, dkv_q, dkv_heads, T=2048):
     errs = {name: rel_err(a, b) for name, a, b in zip(("o", "dq", "dk", "dv"), got,
                                                       _upcast_reference(q, k, v, do, {}))}
     assert max(errs.values()) <= 1e-2, errs
-    if bwd != "atomic":  # no atomics: a race inside the kernel would show as run-to-run differences
+    if bwd == "split":  # no atomics: a race inside the kernel would show as run-to-run differences
         again = _fwd_bwd(fn, q, k, v, do, {})
         for name, a, b in zip(("dk", "dv"), got[2:], again[2:]):
             assert np.array_equal(np.asarray(a), np.asarray(b)), f"{name} differs between two identical runs"
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bwd", ["split", "atomic", "stored"])
+@pytest.mark.parametrize("bwd", ["split", "atomic"])
 def test_gpu_attention_inside_shard_map(bwd):
     """Context-parallel query chunks over the real devices (check_vma): the gradients match the whole problem's
     (XLA reference in fp32, one shard)."""
