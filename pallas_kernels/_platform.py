@@ -89,7 +89,10 @@ _ATTENTION = {
     # QK^T issued before this block's softmax (Triton waits for it at once: 1.2-1.7x the time) and the accumulator
     # rescaled only when a row maximum grows past 2^8 (FA4's lazy rescale: 1.03-1.08x the time). dq with 4
     # pipeline stages: level with 3 within noise (5.54 against 5.59 ms at 32k). dk/dv with 2 stacked query heads:
-    # fwd+bwd 0.90x cuDNN at B=4, T=4096 against 0.82x unstacked (benchmarks/attention_bwd_h200.json).
+    # fwd+bwd 0.90x cuDNN at B=4, T=4096 against 0.82x unstacked (benchmarks/attention_bwd_h200.json). A backward
+    # whose dk/dv kernel also stored dS for a one-matmul dq kernel (5 matmuls per tile, like cuDNN's, against the
+    # split path's 7) measured 16.7 against 13.7 ms at T=32768 (the scattered dS stores) and level at 4096
+    # (benchmarks/attention_stored_ds_h200.json); it was removed again.
     "cuda": AttentionBlocks(fwd_q=128, fwd_k=128, fwd_warps=8, fwd_stages=3, dq_stages=4, dkv_q=32, dkv_heads=2),
     # MI300X: 64-lane wavefronts (4 waves = 256 lanes), AMD's Triton pipeliner wants num_stages 1-2.
     "rocm": AttentionBlocks(fwd_q=128, fwd_k=64, fwd_warps=4, fwd_stages=1, dq_q=128, dq_k=64, dq_warps=4,
