@@ -2,9 +2,8 @@
 
 At B=4, T=4096 and B=1, T=32768 (8 q / 2 kv heads, d=128, causal, bf16; --shapes picks and orders them) it times
 cuDNN and each Pallas variant (field overrides of the table's row: backward options, forward, dq and dk/dv
-tilings) end to end through the public API: forward alone and
-forward + backward (medians, pallas_kernels/_bench), and checks o, dq, dk, dv against cuDNN's on the same inputs
-(relative Frobenius error). It also times the dq and dk/dv kernels alone (`kernel_ms`, with the forward's
+tilings) end to end through the public API: forward alone and forward + backward (medians, pallas_kernels/_bench),
+and checks o, dq, dk, dv against cuDNN's on the same inputs (relative Frobenius error). It also times the dq and dk/dv kernels alone (`kernel_ms`, with the forward's
 end-to-end time as its `fwd`, and TFLOP/s of the flops each really does), so a row shows which kernel limits.
 Prints ratios cuDNN time / Pallas time (>= 0.8 is the goal), writes the JSON after every variant and ends with
 the fastest variant per shape (overall, forward, dq kernel). --budget-s stops starting new variants; --quick: tiny
@@ -79,7 +78,7 @@ VARIANTS = {
     "fwd_q256k32w16s3": _fwd(256, 32, 16, 3),
     "fwd_q256k64w8s2": _fwd(256, 64, 8, 2),
     "fwd_q128k64w16s3h2": _fwd(128, 64, 16, 3, 2),
-    # dq kernel tiles (the table's: q128 k64 w8 s3)
+    # dq kernel tiles (the table's: q128 k64 w8 s4)
     "dq_q128k128w8s2": _dq(128, 128, 8, 2),
     "dq_q128k64w8s2": _dq(128, 64, 8, 2),
     "dq_q128k64w8s4": _dq(128, 64, 8, 4),
