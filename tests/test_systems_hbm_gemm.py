@@ -10,6 +10,7 @@ import pytest
 
 from zaya_jax.config import preset
 from zaya_jax.systems import attention_sweep, gemm, hbm, hbm_pallas
+from zaya_jax.systems.saturation import saturation_point
 
 
 def test_pallas_kernels_compute_what_they_claim():
@@ -77,7 +78,12 @@ def test_gemm_sweep_reports_per_shape_and_headline(tmp_path):
     for r in result["records"]:
         assert r["tflops"] == pytest.approx(2 * r["m"] * r["k"] * r["n"] / r["seconds"] / 1e12)
     assert result["best_tflops"] == max(r["tflops"] for r in result["records"])
-    assert result["saturation_flops"] in {r["flops"] for r in result["records"] if r["shape"] == "square"}
+    # the headline is the square curve's saturation point (None where a noisy last point dips below 90%: timings
+    # of 1 ms on a loaded CI machine; saturation_point itself is tested on fixed curves)
+    square = [r for r in result["records"] if r["shape"] == "square"]
+    assert result["saturation_flops"] == saturation_point([r["flops"] for r in square],
+                                                          [r["tflops"] for r in square], gemm.SATURATION_FRACTION).x
+    assert len(square) == 3
     assert (tmp_path / "gemm.png").stat().st_size > 1000
 
 
