@@ -128,17 +128,21 @@ def bench_norms(shapes, copy_tbps: float):
 NORM_PASS_BYTES = {"fwd": 12, "bwd": 18}  # per element of the fused merge: see _norm_fns
 
 
-def time_norm_pass(p, phase: str, launch: NormLaunch) -> float:
-    """Seconds per call of the fused merge's forward or backward kernel alone under `launch`."""
+def merge_pass_fn(p, phase: str, launch: NormLaunch):
+    """The fused merge's forward or backward kernel alone under `launch`, jitted, over a norm_problem dict (the
+    backward reads p["rstd"], set here from the table's forward if p has none)."""
     if phase == "fwd":
-        fn = jax.jit(lambda p: norm_kern.merge_forward(p["branch"], p["residual"], *p["vecs"][:5], eps=EPS,
-                                                       out_dtype=BF16, launch=launch))
-        return time_call(fn, p)
+        return jax.jit(lambda p: norm_kern.merge_forward(p["branch"], p["residual"], *p["vecs"][:5], eps=EPS,
+                                                         out_dtype=BF16, launch=launch))
     if "rstd" not in p:
         p["rstd"] = norm_kern.merge_forward(p["branch"], p["residual"], *p["vecs"][:5], eps=EPS, out_dtype=BF16)[2]
-    fn = jax.jit(lambda p: norm_kern.merge_backward(p["branch"], p["residual"], p["dh"], p["dy"], p["rstd"],
-                                                    *p["vecs"][:5], launch=launch))
-    return time_call(fn, p)
+    return jax.jit(lambda p: norm_kern.merge_backward(p["branch"], p["residual"], p["dh"], p["dy"], p["rstd"],
+                                                      *p["vecs"][:5], launch=launch))
+
+
+def time_norm_pass(p, phase: str, launch: NormLaunch) -> float:
+    """Seconds per call of the fused merge's forward or backward kernel alone under `launch`."""
+    return time_call(merge_pass_fn(p, phase, launch), p)
 
 
 def time_merge_fwd_bwd(p, impl: str) -> float:

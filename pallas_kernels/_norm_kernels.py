@@ -8,9 +8,10 @@ tile per loop step, where block_d = next power of two >= D and the edges are mas
   * The [D] parameter vectors are loaded once per program, not once per row: re-reading them per row moves more
     bytes through the caches than the rows move through HBM (measured on the H200: the merge re-reading its four
     vectors per row ran at 0.50-0.68 of copy bandwidth, against 0.73-0.83 holding them).
-  * Tiles are loaded `launch.prefetch` steps ahead (carried through the loop; 3 in the H200 backward row, 1 elsewhere), so their memory
-    traffic overlaps the current tile's reductions. Triton does not pipeline these loads through shared memory
-    (num_stages > 1 changes nothing without a dot in the loop), so what is in flight sits in registers.
+  * Tiles are loaded `launch.prefetch` steps ahead (carried through the loop; 3 in the H200 backward row, 1
+    elsewhere), so their memory traffic overlaps the current tile's reductions. Triton does not pipeline these
+    loads through shared memory (num_stages > 1 changes nothing without a dot in the loop), so what is in flight
+    sits in registers.
   * The backward keeps per-column partial sums of the parameter gradients in registers as [rows, block_d] tiles
     (element-wise adds per step: summing over the tile's rows every step would be a cross-warp reduction through
     shared memory on each step) and folds the rows once at the end, writing one [n_partials, D] block per program

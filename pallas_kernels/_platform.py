@@ -84,7 +84,8 @@ class AttentionBlocks:
 # ROCm values are untuned starting points.
 _ATTENTION = {
     # H200, 8 q / 2 kv heads, d=128 (benchmarks/attention_fwd_variants_h200.json): forward 128 x 128 tiles with 8
-    # warps, 0.354 ms at B=4, T=4096 against 0.372 for 64 x 64 with 4 warps (4.66 against 4.93 ms at T=32768 in that run; 4.80-4.90 in later ones);
+    # warps, 0.354 ms at B=4, T=4096 against 0.372 for 64 x 64 with 4 warps (4.66 against 4.93 ms at T=32768 in
+    # that run; 4.80-4.90 in later ones);
     # 256-row tiles and stacked heads measured slower, and so did two loop variants since removed: the next block's
     # QK^T issued before this block's softmax (Triton waits for it at once: 1.2-1.7x the time) and the accumulator
     # rescaled only when a row maximum grows past 2^8 (FA4's lazy rescale: 1.03-1.08x the time). dq with 4

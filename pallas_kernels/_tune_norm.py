@@ -26,7 +26,6 @@ import jax.numpy as jnp
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated", category=DeprecationWarning)
 
 from pallas_kernels import _bench as bench
-from pallas_kernels import _norm_kernels as kern
 from pallas_kernels import _platform
 from pallas_kernels._platform import NormLaunch
 
@@ -93,13 +92,7 @@ def _max_rel_err(got, want) -> float:
 
 def _pass_outputs(p, phase: str, launch: NormLaunch):
     """The merge kernel's own outputs for one pass under `launch` (the backward from p's fixed rstd)."""
-    if phase == "fwd":
-        fn = jax.jit(lambda p: kern.merge_forward(p["branch"], p["residual"], *p["vecs"][:5], eps=bench.EPS,
-                                                  out_dtype=bench.BF16, launch=launch))
-    else:
-        fn = jax.jit(lambda p: kern.merge_backward(p["branch"], p["residual"], p["dh"], p["dy"], p["rstd"],
-                                                   *p["vecs"][:5], launch=launch))
-    return fn(p)
+    return bench.merge_pass_fn(p, phase, launch)(p)
 
 
 def _max_rel_err_vs_xla(p, tuning: dict) -> float:
@@ -118,8 +111,6 @@ def study(rows: int, d: int, copy_tbps: float, candidates: dict, keep_going, rep
     report.update(rows=rows, d=d, pass_bytes_per_elem=PASS_BYTES,
                   old_launch={ph: dataclasses.asdict(L) for ph, L in old.items()})
     p = bench.norm_problem(rows, d)
-    p["rstd"] = kern.merge_forward(p["branch"], p["residual"], *p["vecs"][:5], eps=bench.EPS, out_dtype=bench.BF16,
-                                   launch=old["fwd"])[2]
 
     xla_fwd = bench.time_call(bench._norm_fns("merge_rms_norm", "xla")[0], p) * 1e3
     xla_fb = bench.time_merge_fwd_bwd(p, "xla") * 1e3

@@ -20,7 +20,6 @@ from zaya_jax.parallel.collectives import (
 from zaya_jax.parallel.mesh import MeshError, describe_mesh, make_mesh
 
 
-
 def test_inner_axes_stay_inside_a_node_and_data_is_node_major():
     mesh = make_mesh(context=2, tensor=2, local_per_node=4)
     assert dict(mesh.shape) == {"data": 2, "expert": 1, "tensor": 2, "context": 2}

@@ -155,7 +155,6 @@ def test_trainer_step_reduce_scatters_gradients_in_node_then_on_rails_and_gather
         assert not (m and any(t in m.group(1) for t in global_tokens)), line
 
 
-
 @pytest.fixture(scope="module")
 def one_device_losses(tmp_path_factory):
     from test_parallel_train import train

@@ -1,8 +1,9 @@
 """ZayaModel (embedding, input scaling, scanned decoder layers, final norm) and ZayaForCausalLM (tied head).
 
 Decoder layers are created with stacked parameters (leading axis = layer) and run under `jax.lax.scan` with a
-configurable remat policy; per-layer differences (EDA scale, RoPE frequencies, sliding window) travel as scan
-inputs. The EDA router state and the fp32 residual stream are the scan carry.
+configurable remat policy, or unrolled (scan_layers=False; per-layer slices from model/layer_stack.py); per-layer
+differences (EDA scale, RoPE frequencies, sliding window) travel as scan inputs. The EDA router state and the fp32
+residual stream are the scan carry.
 """
 
 from __future__ import annotations
