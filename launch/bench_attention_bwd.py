@@ -40,6 +40,10 @@ def _dkv(q, heads, k, warps, stages):
     return dict(dkv_q=q, dkv_heads=heads, dkv_k=k, dkv_warps=warps, dkv_stages=stages)
 
 
+def _atomic(q, heads, k=128, warps=8, stages=3):
+    return dict(bwd="atomic", **_dkv(q, heads, k, warps, stages))
+
+
 def _dq(q, k, warps, stages, heads=1):
     return dict(dq_q=q, dq_k=k, dq_warps=warps, dq_stages=stages, dq_heads=heads)
 
@@ -64,6 +68,14 @@ VARIANTS = {
     "atomic_q16h2": dict(bwd="atomic", dkv_q=16, dkv_heads=2),
     "atomic_q32h1": dict(bwd="atomic", dkv_q=32, dkv_heads=1),
     "atomic_q16h4": dict(bwd="atomic", dkv_q=16, dkv_heads=4),
+    # the fused backward's tiles (relaxed atomics: its best tiling need not be the split dk/dv kernel's)
+    "atomic_q32h4": _atomic(32, 4),
+    "atomic_q64h2": _atomic(64, 2),
+    "atomic_q64h1": _atomic(64, 1),
+    "atomic_q16h4s2": _atomic(16, 4, stages=2),
+    "atomic_q32h2s2": _atomic(32, 2, stages=2),
+    "atomic_q32h2k64w4": _atomic(32, 2, k=64, warps=4),
+    "atomic_q64h1k64w4": _atomic(64, 1, k=64, warps=4),
     # forward tiles (s = pipeline stages; 2-3 programs per SM need <= ~113 KB of shared memory each)
     "fwd_q128k128w8s2": _fwd(128, 128, 8, 2),
     "fwd_q128k128w8s3": _fwd(128, 128, 8, 3),

@@ -33,6 +33,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _platform
 from pallas_kernels import _vma
+from pallas_kernels._relaxed_atomic import relaxed_atomic_add
 
 F32 = jnp.float32
 LOG2E = math.log2(math.e)
@@ -292,7 +293,7 @@ def _dkv_kernel(rng_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref
                 dq_part = plgpu.dot(ds_t, k, trans_a=True)  # [query rows, dp]
                 # stacked: integer indices on every axis (the interpreter's atomics reject mixed slice/array ones)
                 idx = (pos, hd, slice(None)) if heads == 1 else (pos[:, None], hd[:, None], col[None, :])
-                plgpu.atomic_add(dq_ref, idx, dq_part)
+                relaxed_atomic_add(dq_ref, idx, dq_part)
             return dk + plgpu.dot(ds_t, q), dv
         return lax.fori_loop(0, (hi - lo) * head_blocks, step, carry)
 
