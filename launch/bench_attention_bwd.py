@@ -76,6 +76,14 @@ VARIANTS = {
     "atomic_q32h2s2": _atomic(32, 2, stages=2),
     "atomic_q32h2k64w4": _atomic(32, 2, k=64, warps=4),
     "atomic_q64h1k64w4": _atomic(64, 1, k=64, warps=4),
+    # dS written as whole tiles by the dk/dv kernel and read back by a one-matmul dq kernel (tiles_dq_* its launch)
+    "tiles": dict(bwd="tiles"),
+    "tiles_q32h2": dict(bwd="tiles", dkv_q=32, dkv_heads=2),
+    "tiles_q16h4": dict(bwd="tiles", dkv_q=16, dkv_heads=4),
+    "tiles_q64h1": dict(bwd="tiles", dkv_q=64, dkv_heads=1),
+    "tiles_w8": dict(bwd="tiles", tiles_dq_warps=8),
+    "tiles_s2": dict(bwd="tiles", tiles_dq_stages=2),
+    "tiles_s4": dict(bwd="tiles", tiles_dq_stages=4),
     # forward tiles (s = pipeline stages; 2-3 programs per SM need <= ~113 KB of shared memory each)
     "fwd_q128k128w8s2": _fwd(128, 128, 8, 2),
     "fwd_q128k128w8s3": _fwd(128, 128, 8, 3),

@@ -64,8 +64,10 @@ def loop_ranges(needed, full, xp):
     return xp.stack([lo, u0, u1, hi], axis=-1).astype(np.int32)
 
 
-def ranges(q_pos, kv_pos, q_seg, kv_seg, window, block_q, block_k, *, per_kv_block: bool, static: bool):
-    """Loop ranges per query block ([B, nq, 4] over key blocks) or per key block ([B, nk, 4] over query blocks)."""
+def ranges(q_pos, kv_pos, q_seg, kv_seg, window, block_q, block_k, *, per_kv_block: bool, static: bool,
+           as_numpy: bool = False):
+    """Loop ranges per query block ([B, nq, 4] over key blocks) or per key block ([B, nk, 4] over query blocks);
+    static ones as a NumPy array with as_numpy (sizes derived from them at trace time)."""
     xp = np if static else jnp
     if static:
         q_pos, kv_pos = np.asarray(q_pos), np.asarray(kv_pos)
@@ -73,4 +75,4 @@ def ranges(q_pos, kv_pos, q_seg, kv_seg, window, block_q, block_k, *, per_kv_blo
     if per_kv_block:
         needed, full = needed.transpose(0, 2, 1), full.transpose(0, 2, 1)
     out = loop_ranges(needed, full, xp)
-    return jnp.asarray(out) if static else out
+    return out if not static or as_numpy else jnp.asarray(out)

@@ -1,5 +1,6 @@
-"""Flash-attention kernels for grouped-query attention (Pallas, Triton lowering): forward, dq, dk/dv, and a fused
-backward (dk/dv with atomically added dq).
+"""Flash-attention kernels for grouped-query attention (Pallas, Triton lowering): forward, dq, dk/dv, a fused
+backward (dk/dv with atomically added dq), and a dk/dv kernel that also writes dS tiles for a dq kernel that then
+needs one matmul per tile instead of three.
 
 Layouts: q/o/dq [B, Tp, H, dp], k/v/dk/dv [B, Sp, KV, dp], lse/delta [B, H, Tp] fp32, positions/segments
 [B, Tp] / [B, Sp] int32, the sliding window a [1] int32 array (or None; an array so that scanned layers may
@@ -27,6 +28,7 @@ import functools
 import math
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -247,13 +249,16 @@ def backward_dq(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, 
 
 # ------------------------------------------------------------------------------------------------------- dk, dv
 def _dkv_kernel(rng_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, *rest, c, scale,
-                block_q, groups, heads, has_seg, has_window, with_dq):
+                block_q, groups, heads, has_seg, has_window, with_dq, store_ds):
     """One key block of one KV head; loops over (query block, block of `heads` query heads) pairs of its group.
     The logits are computed transposed ([block_k, query rows]) so dk and dv accumulate without transposes.
     with_dq (the fused backward): each step also adds its unscaled dq contribution ds . k to the zero-initialised
-    fp32 dq with atomic adds (programs of other key blocks add to the same rows; the order is not fixed)."""
+    fp32 dq with atomic adds (programs of other key blocks add to the same rows; the order is not fixed).
+    store_ds: step t also writes its ds tile [block_k, query rows] whole to dS tile rng[4] + t (see `ds_tiles`)."""
     if with_dq:
         qs_ref, ks_ref, window, (_, dk_ref, dv_ref, dq_ref) = _optional_refs(rest, has_seg, has_window, 4)
+    elif store_ds:
+        qs_ref, ks_ref, window, (dk_ref, dv_ref, ds_ref) = _optional_refs(rest, has_seg, has_window, 3)
     else:
         qs_ref, ks_ref, window, (dk_ref, dv_ref) = _optional_refs(rest, has_seg, has_window, 2)
     k, v = k_ref[...], v_ref[...]
@@ -268,6 +273,8 @@ def _dkv_kernel(rng_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref
     col = lax.broadcasted_iota(jnp.int32, (k.shape[1],), 0)
 
     def run(lo, hi, carry, masked):
+        first_tile = rng_ref[4] + (lo - rng_ref[0]) * head_blocks if store_ds else None
+
         def step(t, carry):
             dk, dv = carry
             # consecutive steps share a query block, so its positions and masks stay in cache
@@ -294,6 +301,8 @@ def _dkv_kernel(rng_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref
                 # stacked: integer indices on every axis (the interpreter's atomics reject mixed slice/array ones)
                 idx = (pos, hd, slice(None)) if heads == 1 else (pos[:, None], hd[:, None], col[None, :])
                 relaxed_atomic_add(dq_ref, idx, dq_part)
+            if store_ds:
+                ds_ref[first_tile + t] = ds_t
             return dk + plgpu.dot(ds_t, q), dv
         return lax.fori_loop(0, (hi - lo) * head_blocks, step, carry)
 
@@ -322,7 +331,7 @@ def dkv_split(heads: int, kv_heads: int, batch: int, n_kv_blocks: int, requested
 def backward_dkv(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ranges, *, scale, blocks):
     """-> (dk, dv) in k.dtype."""
     return _dkv_call(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ranges, scale=scale,
-                     blocks=blocks, with_dq=False)
+                     blocks=blocks)
 
 
 def backward_fused(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ranges, *, scale, blocks):
@@ -334,14 +343,21 @@ def backward_fused(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, windo
                      blocks=blocks, with_dq=True)
 
 
-def _dkv_call(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ranges, *, scale, blocks, with_dq):
+def dkv_layout(H: int, KV: int, B: int, Sp: int, blocks) -> tuple[int, int, int]:
+    """(split, groups, heads) of the dk/dv kernel: programs per KV head, query heads per program, heads per tile."""
+    split = dkv_split(H, KV, B, Sp // blocks.dkv_k, blocks.dkv_split)
+    groups = H // KV // split
+    return split, groups, stacked_heads(groups, blocks.dkv_heads)
+
+
+def _dkv_call(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ranges, *, scale, blocks,
+              with_dq=False, ds_tiles=None):
     B, Tp, H, dp = q.shape
     Sp, KV = k.shape[1], k.shape[2]
     bq, bk = blocks.dkv_q, blocks.dkv_k
     nk = Sp // bk
-    split = dkv_split(H, KV, B, nk, blocks.dkv_split)
-    groups = H // KV // split  # query heads per program
-    heads = stacked_heads(groups, blocks.dkv_heads)
+    split, groups, heads = dkv_layout(H, KV, B, Sp, blocks)
+    store_ds = ds_tiles is not None
     has_seg = q_seg is not None
     ranges, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window = _vma.vary_to_union(
         ranges, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window)
@@ -354,8 +370,8 @@ def _dkv_call(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ra
     q_vec = pl.BlockSpec((None, Tp), lambda g, b, j: (b, 0))
     kv_vec = pl.BlockSpec((None, bk), lambda g, b, j: (b, j))
     opt_specs, opt_arrays = _optional_inputs(q_vec, kv_vec, q_seg, kv_seg, window)
-    in_specs = [pl.BlockSpec((None, None, 4), lambda g, b, j: (b, j, 0)), group_spec, kv_spec, kv_spec, group_spec,
-                rows_spec, rows_spec, q_vec, kv_vec] + opt_specs
+    in_specs = [pl.BlockSpec((None, None, ranges.shape[-1]), lambda g, b, j: (b, j, 0)), group_spec, kv_spec,
+                kv_spec, group_spec, rows_spec, rows_spec, q_vec, kv_vec] + opt_specs
     out_dtype = k.dtype if split == 1 else F32  # partial sums stay fp32 until they are added
     out_shape = _vma.out_struct((B, Sp, KV * split, dp), out_dtype, q)
     args = [ranges, q, k, v, do, lse2, delta, q_pos, kv_pos, *opt_arrays]
@@ -366,9 +382,13 @@ def _dkv_call(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ra
         in_specs.append(group_spec)
         out_specs.append(group_spec)
         out_shapes.append(_vma.out_struct((B, Tp, H, dp), F32, q))
+    if store_ds:  # the program's own dS tiles (only those its loop visits are written)
+        n_tiles = ds_tiles
+        out_specs.append(pl.BlockSpec((None, None, n_tiles, bk, bq * heads), lambda g, b, j: (b, g, 0, 0, 0)))
+        out_shapes.append(_vma.out_struct((B, KV * split, n_tiles, bk, bq * heads), q.dtype, q))
     outs = pl.pallas_call(
         functools.partial(_dkv_kernel, c=scale * LOG2E, scale=scale, block_q=bq, groups=groups, heads=heads,
-                          has_seg=has_seg, has_window=window is not None, with_dq=with_dq),
+                          has_seg=has_seg, has_window=window is not None, with_dq=with_dq, store_ds=store_ds),
         grid=(KV * split, B, nk),
         in_specs=in_specs,
         out_specs=out_specs,
@@ -382,4 +402,86 @@ def _dkv_call(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ra
         dk = dk.reshape(B, Sp, KV, split, dp).sum(axis=3)
         dv = dv.reshape(B, Sp, KV, split, dp).sum(axis=3)
     dk, dv = dk.astype(k.dtype), dv.astype(v.dtype)
-    return (dk, dv, outs[2]) if with_dq else (dk, dv)
+    return (dk, dv, outs[2]) if (with_dq or store_ds) else (dk, dv)
+
+
+# ---------------------------------------------------------------------------------------------- dq from dS tiles
+def ds_tile_offsets(dkv_ranges, n_q_blocks: int, head_blocks: int, static: bool):
+    """-> (ranges [B, nk, 8]: the dk/dv loop ranges with column 4 = the key block's first dS tile, n_tiles).
+
+    Key block j's program writes one tile per (query block, head block) step of its range [lo, hi), so its tiles
+    start at the running sum of (hi - lo) * head_blocks over the key blocks before it. n_tiles (static) is the
+    largest such total over the batch: exact with static ranges, otherwise every (key block, query block) pair."""
+    xp = np if static else jnp
+    if static:
+        dkv_ranges = np.asarray(dkv_ranges)
+    count = (dkv_ranges[..., 3] - dkv_ranges[..., 0]) * head_blocks
+    first = xp.cumsum(count, axis=-1) - count
+    pad = xp.zeros(dkv_ranges.shape[:-1] + (3,), np.int32)
+    out = xp.concatenate([dkv_ranges, first[..., None].astype(np.int32), pad], axis=-1)
+    if static:
+        return jnp.asarray(out), max(1, int(count.sum(axis=-1).max()))
+    return out, dkv_ranges.shape[1] * n_q_blocks * head_blocks
+
+
+def backward_dkv_tiles(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ranges, *, scale, blocks,
+                       n_tiles):
+    """-> (dk, dv) in k.dtype and dS tiles [B, programs, n_tiles, dkv_k, dkv_q * heads] in q.dtype, key-major,
+    WITHOUT the softmax scale; `ranges` from `ds_tile_offsets`. Tiles outside every loop are left unwritten."""
+    return _dkv_call(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ranges, scale=scale,
+                     blocks=blocks, ds_tiles=n_tiles)
+
+
+def _dq_tiles_kernel(qrng_ref, krng_ref, k_ref, ds_ref, dq_ref, *, scale, block_q, block_k, heads, head_blocks,
+                     n_q_blocks):
+    """dq of one dk/dv query tile (block_q positions x `heads` heads of one head block): the sum over the key blocks
+    in its range of dS-tileᵀ . K. A key block whose dk/dv loop skipped this query block wrote no tile: it adds 0."""
+    i = n_q_blocks - 1 - pl.program_id(2)  # heaviest query blocks first
+    hb = lax.rem(pl.program_id(0), head_blocks)
+    rows = block_q * heads
+
+    def step(j, dq):
+        k_lo, k_hi = krng_ref[j, 0], krng_ref[j, 3]
+        written = (k_lo <= i) & (i < k_hi)
+        tile = jnp.where(written, krng_ref[j, 4] + (i - k_lo) * head_blocks + hb, 0)
+        ds_t = ds_ref[tile]
+        ds_t = jnp.where(written, ds_t, jnp.zeros_like(ds_t))
+        kt = k_ref[pl.ds(pl.multiple_of(j * block_k, block_k), block_k), :]
+        return dq + plgpu.dot(ds_t, kt, trans_a=True)
+
+    dq = lax.fori_loop(qrng_ref[0], qrng_ref[3], step, jnp.zeros((rows, k_ref.shape[-1]), F32))
+    dq = (dq * scale).astype(dq_ref.dtype)
+    start = i * block_q
+    if heads == 1:
+        dq_ref[pl.ds(start, block_q), hb, :] = dq
+    else:  # stacked rows back to (position, head): integer indices on every axis, as the dk/dv kernel reads them
+        row = lax.broadcasted_iota(jnp.int32, (rows,), 0)
+        col = lax.broadcasted_iota(jnp.int32, (dq.shape[1],), 0)
+        pos, hd = start + lax.div(row, heads), hb * heads + lax.rem(row, heads)
+        dq_ref[pos[:, None], hd[:, None], col[None, :]] = dq
+
+
+def backward_dq_tiles(ds, k, q_ranges, kv_ranges, *, scale, blocks, q_shape, q_dtype):
+    """dq [B, Tp, H, dp] in q_dtype from the dS tiles of `backward_dkv_tiles`. q_ranges [B, Tp // dkv_q, 4] are the
+    key-block loop ranges of each dk/dv query block, kv_ranges those of `ds_tile_offsets`."""
+    B, Tp, H, dp = q_shape
+    Sp, KV = k.shape[1], k.shape[2]
+    bq, bk = blocks.dkv_q, blocks.dkv_k
+    split, groups, heads = dkv_layout(H, KV, B, Sp, blocks)
+    head_blocks = groups // heads
+    n_tiles, nq = ds.shape[2], Tp // bq
+    ds, k, q_ranges, kv_ranges = _vma.vary_to_union(ds, k, q_ranges, kv_ranges)
+    return pl.pallas_call(
+        functools.partial(_dq_tiles_kernel, scale=scale, block_q=bq, block_k=bk, heads=heads,
+                          head_blocks=head_blocks, n_q_blocks=nq),
+        grid=(KV * split * head_blocks, B, nq),
+        in_specs=[pl.BlockSpec((None, None, 4), lambda g, b, i: (b, nq - 1 - i, 0)),
+                  pl.BlockSpec((None, kv_ranges.shape[1], 8), lambda g, b, i: (b, 0, 0)),
+                  pl.BlockSpec((None, Sp, None, dp), lambda g, b, i: (b, 0, lax.div(g, split * head_blocks), 0)),
+                  pl.BlockSpec((None, None, n_tiles, bk, bq * heads),
+                               lambda g, b, i: (b, lax.div(g, head_blocks), 0, 0, 0))],
+        out_specs=pl.BlockSpec((None, Tp, groups, dp), lambda g, b, i: (b, 0, lax.div(g, head_blocks), 0)),
+        out_shape=_vma.out_struct((B, Tp, H, dp), q_dtype, ds),
+        compiler_params=_platform.compiler_params(blocks.tiles_dq_warps, blocks.tiles_dq_stages),
+        interpret=_platform.interpret(), name="cca_attention_dq_tiles",
+    )(q_ranges, kv_ranges, k, ds)

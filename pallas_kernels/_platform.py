@@ -37,7 +37,7 @@ def compiler_params(num_warps: int, num_stages: int) -> plgpu.CompilerParams:
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-BACKWARDS = ("split", "atomic")
+BACKWARDS = ("split", "atomic", "tiles")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +64,12 @@ class AttentionBlocks:
     dkv_split: int = 0  # programs per KV head in dk/dv (0: enough to fill the GPU, see backward_dkv)
     # Backward: 'split' = a dq kernel over key blocks + a dk/dv kernel over query blocks (deterministic);
     # 'atomic' = one kernel with the dk/dv tiling adding dq with fp32 atomics (5 matmuls per tile instead of 7,
-    # summation order of dq not fixed).
+    # summation order of dq not fixed); 'tiles' = the dk/dv kernel also writes each dS tile whole and contiguous,
+    # and a dq kernel reads them back (5 matmuls per tile, deterministic, dS held in between; the split path is
+    # used where dS would exceed TILES_MAX_BYTES).
     bwd: str = "split"
+    tiles_dq_warps: int = 4  # the dq-from-dS-tiles kernel (one dk/dv query tile of rows per program)
+    tiles_dq_stages: int = 3
 
     def __post_init__(self):
         if self.bwd not in BACKWARDS:

@@ -29,6 +29,9 @@ from pallas_kernels import _vma
 from pallas_kernels._platform import AttentionBlocks
 
 LN2 = math.log(2.0)
+# The 'tiles' backward holds dS between its two kernels (at B=1, T=32768, 8 heads, bf16, causal: 8.6 GB); past
+# this it takes the split path.
+TILES_MAX_BYTES = 16 << 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +65,7 @@ def _static_positions(batch: int, length: int, padded: int, pad_value: int) -> n
 
 
 def _loop_ranges(cfg: _Config, q_pos, kv_pos, q_seg, kv_seg, window, block_q: int, block_k: int,
-                 per_kv_block: bool):
+                 per_kv_block: bool, as_numpy: bool = False):
     if cfg.static_positions:
         window = cfg.window
         batch = q_pos.shape[0]
@@ -71,7 +74,7 @@ def _loop_ranges(cfg: _Config, q_pos, kv_pos, q_seg, kv_seg, window, block_q: in
     elif window is not None:
         window = window[0]
     return blocks_lib.ranges(q_pos, kv_pos, q_seg, kv_seg, window, block_q, block_k,
-                             per_kv_block=per_kv_block, static=cfg.static_positions)
+                             per_kv_block=per_kv_block, static=cfg.static_positions, as_numpy=as_numpy)
 
 
 # ------------------------------------------------------------------------------------------------ custom VJP
@@ -98,9 +101,23 @@ def _flash_bwd(cfg: _Config, res, cotangents):
     do = do.astype(q.dtype)
     b = cfg.blocks
     dkv_ranges = _loop_ranges(cfg, *masks, b.dkv_q, b.dkv_k, per_kv_block=True)
+    n_tiles = None
+    if b.bwd == "tiles":
+        B, Tp, H, _ = q.shape
+        _, groups, heads = kern.dkv_layout(H, k.shape[2], B, k.shape[1], b)
+        ranges_np = _loop_ranges(cfg, *masks, b.dkv_q, b.dkv_k, per_kv_block=True, as_numpy=True)
+        kv_ranges, n_tiles = kern.ds_tile_offsets(ranges_np, Tp // b.dkv_q, groups // heads, cfg.static_positions)
+        if n_tiles * b.dkv_k * b.dkv_q * heads * B * H // groups * q.dtype.itemsize > TILES_MAX_BYTES:
+            n_tiles = None  # too much dS to hold: the split path
     if b.bwd == "atomic":
         dk, dv, dq = kern.backward_fused(q, k, v, do, lse2, delta, *masks, dkv_ranges, scale=cfg.scale, blocks=b)
         dq = (dq * cfg.scale).astype(q.dtype)
+    elif n_tiles is not None:
+        dk, dv, ds = kern.backward_dkv_tiles(q, k, v, do, lse2, delta, *masks, kv_ranges, scale=cfg.scale, blocks=b,
+                                             n_tiles=n_tiles)
+        q_ranges = _loop_ranges(cfg, *masks, b.dkv_q, b.dkv_k, per_kv_block=False)
+        dq = kern.backward_dq_tiles(ds, k, q_ranges, kv_ranges, scale=cfg.scale, blocks=b, q_shape=q.shape,
+                                    q_dtype=q.dtype)
     else:
         dq_ranges = _loop_ranges(cfg, *masks, b.dq_q, b.dq_k, per_kv_block=False)
         dq = kern.backward_dq(q, k, v, do, lse2, delta, *masks, dq_ranges, scale=cfg.scale, blocks=b)

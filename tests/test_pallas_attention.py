@@ -56,10 +56,12 @@ def _check(q, k, v, do, dtype, blocks=None, **kw):
 # of one tile (1: one head per tile, 4: the whole group; the CPU default used by the other tests stacks 2).
 # bwd='atomic': the fused backward (dq by atomic adds; in interpret mode the programs run in order, so the adds
 # accumulate exactly like the GPU's, only in a fixed order), with one head per tile and with stacked heads on a
-# split group.
+# split group. bwd='tiles': dq from the dS tiles the dk/dv kernel wrote (tile offsets per key block, stacked rows
+# scattered back to their heads).
 @pytest.mark.parametrize("dtype,dkv_split,heads,bwd", [(jnp.float32, 1, 1, "split"), (jnp.bfloat16, 2, 4, "split"),
                                                        (jnp.float32, 1, 1, "atomic"),
-                                                       (jnp.bfloat16, 2, 2, "atomic")])
+                                                       (jnp.bfloat16, 2, 2, "atomic"),
+                                                       (jnp.float32, 1, 4, "tiles"), (jnp.bfloat16, 2, 2, "tiles")])
 def test_causal_gqa(dtype, dkv_split, heads, bwd):
     q, k, v, do = _qkv(0, 2, 45, 45, 8, 2, 32, dtype)
     blocks = dataclasses.replace(_platform.attention_blocks(32), dkv_split=dkv_split, fwd_heads=heads,
@@ -79,7 +81,7 @@ def test_odd_head_dim_group_of_three_and_mqa():
     _check(q, k, v, do, jnp.float32, scale=0.3)
 
 
-@pytest.mark.parametrize("bwd", ["split", "atomic"])
+@pytest.mark.parametrize("bwd", ["split", "atomic", "tiles"])
 def test_sliding_window_segments_and_padding(bwd):
     B, T = 2, 48
     q, k, v, do = _qkv(3, B, T, T, 4, 2, 16, jnp.float32)
@@ -100,14 +102,28 @@ def test_backward_choice_is_checked_and_long_sequences_get_their_row(monkeypatch
     assert long == dataclasses.replace(short, **fields) and long != short
 
 
-def test_zigzag_positions_and_chunk_of_queries():
+@pytest.mark.parametrize("bwd", ["split", "tiles"])
+def test_zigzag_positions_and_chunk_of_queries(bwd):
     """A context-parallel rank: its queries are two non-adjacent chunks of a sequence of 64, keys are all 64; the
-    window is an array, as in a scan over layers with per-layer windows."""
+    window is an array, as in a scan over layers with per-layer windows ('tiles': traced loop ranges, so dS is
+    sized for every tile pair and the skipped ones are never read)."""
     S, C = 64, 16
     q, k, v, do = _qkv(4, 1, 2 * C, S, 4, 2, 16, jnp.float32)
     q_pos = jnp.concatenate([jnp.arange(C, 2 * C), jnp.arange(S - 2 * C, S - C)])[None]
-    _check(q, k, v, do, jnp.float32, q_positions=q_pos, kv_positions=jnp.arange(S)[None],
+    blocks = dataclasses.replace(_platform.attention_blocks(16), bwd=bwd)
+    _check(q, k, v, do, jnp.float32, blocks=blocks, q_positions=q_pos, kv_positions=jnp.arange(S)[None],
            sliding_window=jnp.int32(29))
+
+
+def test_tiles_backward_takes_the_split_path_past_its_memory_cap(monkeypatch):
+    monkeypatch.setattr(_platform, "interpret", lambda: False)
+    args = _sharded_inputs(15, 1, 8 * 64, 4, 2, 16, jnp.bfloat16)
+    blocks = dataclasses.replace(_platform.attention_blocks(16, 64), bwd="tiles")
+    fn = _sharded_grads(functools.partial(pk.attention_with_lse, blocks=blocks), "q")
+    assert 'name = "cca_attention_dq_tiles"' in _vma.lower_in_shard_map_for_cuda(fn, args, **SHARD_SPECS["q"])
+    monkeypatch.setattr(pk, "TILES_MAX_BYTES", 0)
+    text = _vma.lower_in_shard_map_for_cuda(fn, args, **SHARD_SPECS["q"])
+    assert 'name = "cca_attention_dq"' in text and "dq_tiles" not in text
 
 
 def test_lse_matches_reference_and_is_differentiable():
@@ -239,7 +255,9 @@ def _sharded_inputs(seed, B, T, H, KV, d, dtype):
 # each). In the 'kv' layout the kernels' first input (q) is invariant, yet their outputs must be typed varying.
 @pytest.mark.parametrize("chunked,summed", [("q", 2), ("kv", 1)])
 @pytest.mark.parametrize("bwd,kernels", [("split", ("cca_attention_fwd", "cca_attention_dq", "cca_attention_dkv")),
-                                         ("atomic", ("cca_attention_fwd", "cca_attention_bwd_fused"))])
+                                         ("atomic", ("cca_attention_fwd", "cca_attention_bwd_fused")),
+                                         ("tiles", ("cca_attention_fwd", "cca_attention_dkv",
+                                                    "cca_attention_dq_tiles"))])
 def test_fwd_bwd_lower_for_cuda_inside_shard_map(monkeypatch, bwd, kernels, chunked, summed):
     monkeypatch.setattr(_platform, "interpret", lambda: False)
     blocks = dataclasses.replace(_platform.attention_blocks(16, 64), bwd=bwd)
@@ -269,14 +287,16 @@ def test_gpu_attention_at_zaya_shapes():
 
 
 @pytest.mark.gpu
-def test_gpu_attention_masks_and_positions():
+@pytest.mark.parametrize("bwd", ["split", "tiles"])
+def test_gpu_attention_masks_and_positions(bwd):
     B, T = 2, 1000  # ragged length: padded inside the wrapper
     q, k, v, do = _qkv(11, B, T, T, 8, 2, 128, jnp.bfloat16)
     seg = jnp.repeat(jnp.arange(4, dtype=jnp.int32), 250)[None].repeat(B, 0)
     valid = jnp.ones((B, T), bool).at[1, 900:].set(False)
     pos = jnp.arange(T, dtype=jnp.int32)[None].repeat(B, 0)
+    blocks = dataclasses.replace(_platform.attention_blocks(128, T), bwd=bwd)
     for kw in (dict(sliding_window=256), dict(q_segment_ids=seg, kv_valid=valid, q_positions=pos, kv_positions=pos)):
-        got = _fwd_bwd(pk.attention, q, k, v, do, kw)
+        got = _fwd_bwd(functools.partial(pk.attention, blocks=blocks), q, k, v, do, kw)
         for name, a, b in zip(("o", "dq", "dk", "dv"), got, _upcast_reference(q, k, v, do, kw)):
             err = rel_err(a, b)
             assert err <= 1e-2, f"{name} {sorted(kw)}: {err:.2e}"
@@ -286,7 +306,8 @@ def test_gpu_attention_masks_and_positions():
 # the dk/dv kernel now gathers the stacked rows from memory. One head per 64-row tile is the unstacked control.
 @pytest.mark.gpu
 @pytest.mark.parametrize("bwd,dkv_q,dkv_heads", [("split", 32, 2), ("split", 16, 4), ("atomic", 32, 2),
-                                                 ("atomic", 16, 4), ("split", 64, 1)])
+                                                 ("atomic", 16, 4), ("split", 64, 1), ("tiles", 32, 2),
+                                                 ("tiles", 16, 4), ("tiles", 64, 1)])
 def test_gpu_stacked_dkv_heads_causal_gqa(bwd, dkv_q, dkv_heads, T=2048):
     q, k, v, do = _qkv(12, 2, T, T, 8, 2, 128, jnp.bfloat16)
     blocks = dataclasses.replace(_platform.attention_blocks(128, T), bwd=bwd, dkv_q=dkv_q, dkv_heads=dkv_heads)
@@ -295,14 +316,14 @@ def test_gpu_stacked_dkv_heads_causal_gqa(bwd, dkv_q, dkv_heads, T=2048):
     errs = {name: rel_err(a, b) for name, a, b in zip(("o", "dq", "dk", "dv"), got,
                                                       _upcast_reference(q, k, v, do, {}))}
     assert max(errs.values()) <= 1e-2, errs
-    if bwd == "split":  # no atomics: a race inside the kernel would show as run-to-run differences
+    if bwd != "atomic":  # no atomics: a race inside the kernel would show as run-to-run differences
         again = _fwd_bwd(fn, q, k, v, do, {})
-        for name, a, b in zip(("dk", "dv"), got[2:], again[2:]):
+        for name, a, b in zip(("dq", "dk", "dv"), got[1:], again[1:]):
             assert np.array_equal(np.asarray(a), np.asarray(b)), f"{name} differs between two identical runs"
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bwd", ["split", "atomic"])
+@pytest.mark.parametrize("bwd", ["split", "atomic", "tiles"])
 def test_gpu_attention_inside_shard_map(bwd):
     """Context-parallel query chunks over the real devices (check_vma): the gradients match the whole problem's
     (XLA reference in fp32, one shard)."""
