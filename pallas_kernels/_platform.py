@@ -97,7 +97,11 @@ _ATTENTION = {
     # fwd+bwd 0.90x cuDNN at B=4, T=4096 against 0.82x unstacked (benchmarks/attention_bwd_h200.json). A backward
     # whose dk/dv kernel also stored dS for a one-matmul dq kernel (5 matmuls per tile, like cuDNN's, against the
     # split path's 7) measured 16.7 against 13.7 ms at T=32768 (the scattered dS stores) and level at 4096
-    # (benchmarks/attention_stored_ds_h200.json); it was removed again.
+    # (benchmarks/attention_stored_ds_h200.json); it was removed again. The fused backward ('atomic') with relaxed
+    # atomics (_relaxed_atomic.py) measured fwd+bwd 22.1 against 40.7 ms with acq_rel at T=32768 (1.60 against
+    # 3.04 at 4096), still behind split's 18.4 / 1.31: its 4.3G fp32 adds at 32k, one per (query row, head, key
+    # block), cost ~7.5 ms (benchmarks/attention_relaxed_atomic_h200.json). 'tiles' (whole dS tiles, written
+    # contiguous) is not measured yet.
     "cuda": AttentionBlocks(fwd_q=128, fwd_k=128, fwd_warps=8, fwd_stages=3, dq_stages=4, dkv_q=32, dkv_heads=2),
     # MI300X: 64-lane wavefronts (4 waves = 256 lanes), AMD's Triton pipeliner wants num_stages 1-2.
     "rocm": AttentionBlocks(fwd_q=128, fwd_k=64, fwd_warps=4, fwd_stages=1, dq_q=128, dq_k=64, dq_warps=4,
