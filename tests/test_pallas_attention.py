@@ -115,6 +115,16 @@ def test_zigzag_positions_and_chunk_of_queries(bwd):
            sliding_window=jnp.int32(29))
 
 
+@pytest.mark.parametrize("bwd", ["split", "tiles"])
+def test_query_tile_whose_key_blocks_are_not_contiguous(bwd):
+    """Segment ids that recur ([0]*32 + [1]*32 + [0]*64): a late query tile of segment 0 needs key blocks 0, 2 and
+    3 but not 1, whose own loop never reaches that tile (so with 'tiles' it wrote no dS tile there)."""
+    q, k, v, do = _qkv(16, 1, 128, 128, 4, 2, 16, jnp.float32)
+    seg = jnp.array([[0] * 32 + [1] * 32 + [0] * 64], jnp.int32)
+    blocks = dataclasses.replace(_platform.attention_blocks(16), bwd=bwd)
+    _check(q, k, v, do, jnp.float32, blocks=blocks, q_segment_ids=seg)
+
+
 def test_tiles_backward_takes_the_split_path_past_its_memory_cap(monkeypatch):
     monkeypatch.setattr(_platform, "interpret", lambda: False)
     args = _sharded_inputs(15, 1, 8 * 64, 4, 2, 16, jnp.bfloat16)
