@@ -254,7 +254,7 @@ def _dkv_kernel(rng_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref
     The logits are computed transposed ([block_k, query rows]) so dk and dv accumulate without transposes.
     with_dq (the fused backward): each step also adds its unscaled dq contribution ds . k to the zero-initialised
     fp32 dq with atomic adds (programs of other key blocks add to the same rows; the order is not fixed).
-    store_ds: step t also writes its ds tile [block_k, query rows] whole to dS tile rng[4] + t (see `ds_tiles`)."""
+    store_ds: step t also writes its ds tile [block_k, query rows] whole to dS tile rng[4] + t (`ds_tile_offsets`)."""
     if with_dq:
         qs_ref, ks_ref, window, (_, dk_ref, dv_ref, dq_ref) = _optional_refs(rest, has_seg, has_window, 4)
     elif store_ds:
@@ -351,13 +351,13 @@ def dkv_layout(H: int, KV: int, B: int, Sp: int, blocks) -> tuple[int, int, int]
 
 
 def _dkv_call(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ranges, *, scale, blocks,
-              with_dq=False, ds_tiles=None):
+              with_dq=False, n_tiles=None):
     B, Tp, H, dp = q.shape
     Sp, KV = k.shape[1], k.shape[2]
     bq, bk = blocks.dkv_q, blocks.dkv_k
     nk = Sp // bk
     split, groups, heads = dkv_layout(H, KV, B, Sp, blocks)
-    store_ds = ds_tiles is not None
+    store_ds = n_tiles is not None
     has_seg = q_seg is not None
     ranges, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window = _vma.vary_to_union(
         ranges, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window)
@@ -383,7 +383,6 @@ def _dkv_call(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ra
         out_specs.append(group_spec)
         out_shapes.append(_vma.out_struct((B, Tp, H, dp), F32, q))
     if store_ds:  # the program's own dS tiles (only those its loop visits are written)
-        n_tiles = ds_tiles
         out_specs.append(pl.BlockSpec((None, None, n_tiles, bk, bq * heads), lambda g, b, j: (b, g, 0, 0, 0)))
         out_shapes.append(_vma.out_struct((B, KV * split, n_tiles, bk, bq * heads), q.dtype, q))
     outs = pl.pallas_call(
@@ -429,7 +428,7 @@ def backward_dkv_tiles(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, w
     """-> (dk, dv) in k.dtype and dS tiles [B, programs, n_tiles, dkv_k, dkv_q * heads] in q.dtype, key-major,
     WITHOUT the softmax scale; `ranges` from `ds_tile_offsets`. Tiles outside every loop are left unwritten."""
     return _dkv_call(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ranges, scale=scale,
-                     blocks=blocks, ds_tiles=n_tiles)
+                     blocks=blocks, n_tiles=n_tiles)
 
 
 def _dq_tiles_kernel(qrng_ref, krng_ref, k_ref, ds_ref, dq_ref, *, scale, block_q, block_k, heads, head_blocks,

@@ -4,8 +4,8 @@
 jax/_src/pallas/triton/lowering.py). Acquire-release orders every add against all of the thread's other memory
 operations, so each add waits for the software-pipelined tile loads in flight: the fused attention backward ran
 2.5x slower than the split one with it. Partial sums added into a buffer that nothing reads before the kernel
-ends need atomicity only, which relaxed ordering keeps (NVIDIA: `atom.global.gpu.relaxed.add.f32`, vectorised
-on Hopper; AMD: a global atomic add without the cache write-back/invalidate of acq_rel).
+ends need atomicity only, which relaxed ordering keeps (Triton's NVIDIA lowering: `atom.global.gpu.relaxed.add`
+instead of `...acq_rel.add`). On the H200 the fused backward went from 40.7 to 22.1 ms at T=32768.
 
 This is our own primitive with jax's abstract evaluation and interpret-mode discharge (the same as
 `plgpu.atomic_add`) and a Triton lowering rule that differs only in the memory semantic. It touches jax
@@ -28,7 +28,7 @@ try:
     from jax._src.state import discharge as _discharge
     from jax._src.state import indexing as _indexing
     from jax._src.state import primitives as _state_primitives
-    _INTERNALS = (_tp._atomic_abstract_eval, _tp._atomic_rmw_discharge_rule, _tp.AtomicOpType.ADD,
+    _ = (_tp._atomic_abstract_eval,  # every internal used below, so that a missing one is found here _tp._atomic_rmw_discharge_rule, _tp.AtomicOpType.ADD,
                   _lowering._atomic_rmw, _lowering._compute_pointers_from_indices, _lowering._ensure_ir_value,
                   _tt.MemSemantic.RELAXED)
     _MISSING = None

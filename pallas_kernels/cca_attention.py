@@ -91,6 +91,17 @@ def _flash_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, window, cfg: _Config):
     return (o, lse2), (q, k, v, masks, o, lse2)
 
 
+def _tiles_plan(cfg: _Config, q, k, dkv_ranges):
+    """(dk/dv loop ranges with dS tile offsets, n_tiles) of the 'tiles' backward; None where dS would exceed
+    TILES_MAX_BYTES. dkv_ranges are NumPy with static positions (dS then has exactly the tiles the loops visit)."""
+    b = cfg.blocks
+    B, Tp, H, _ = q.shape
+    split, groups, heads = kern.dkv_layout(H, k.shape[2], B, k.shape[1], b)
+    ranges, n_tiles = kern.ds_tile_offsets(dkv_ranges, Tp // b.dkv_q, groups // heads, cfg.static_positions)
+    ds_bytes = B * k.shape[2] * split * n_tiles * b.dkv_k * b.dkv_q * heads * q.dtype.itemsize
+    return None if ds_bytes > TILES_MAX_BYTES else (ranges, n_tiles)
+
+
 def _flash_bwd(cfg: _Config, res, cotangents):
     q, k, v, masks, o, lse2 = res
     do, dlse2 = cotangents
@@ -100,19 +111,14 @@ def _flash_bwd(cfg: _Config, res, cotangents):
     delta = jnp.where(lse2 >= 0.5 * kern.DEAD_LSE, 0.0, delta)  # rows that see no key: nothing to propagate
     do = do.astype(q.dtype)
     b = cfg.blocks
-    dkv_ranges = _loop_ranges(cfg, *masks, b.dkv_q, b.dkv_k, per_kv_block=True)
-    n_tiles = None
-    if b.bwd == "tiles":
-        B, Tp, H, _ = q.shape
-        _, groups, heads = kern.dkv_layout(H, k.shape[2], B, k.shape[1], b)
-        ranges_np = _loop_ranges(cfg, *masks, b.dkv_q, b.dkv_k, per_kv_block=True, as_numpy=True)
-        kv_ranges, n_tiles = kern.ds_tile_offsets(ranges_np, Tp // b.dkv_q, groups // heads, cfg.static_positions)
-        if n_tiles * b.dkv_k * b.dkv_q * heads * B * H // groups * q.dtype.itemsize > TILES_MAX_BYTES:
-            n_tiles = None  # too much dS to hold: the split path
+    dkv_ranges = _loop_ranges(cfg, *masks, b.dkv_q, b.dkv_k, per_kv_block=True, as_numpy=True)
+    tiles = _tiles_plan(cfg, q, k, dkv_ranges) if b.bwd == "tiles" else None
+    dkv_ranges = jnp.asarray(dkv_ranges)
     if b.bwd == "atomic":
         dk, dv, dq = kern.backward_fused(q, k, v, do, lse2, delta, *masks, dkv_ranges, scale=cfg.scale, blocks=b)
         dq = (dq * cfg.scale).astype(q.dtype)
-    elif n_tiles is not None:
+    elif tiles is not None:
+        kv_ranges, n_tiles = tiles
         dk, dv, ds = kern.backward_dkv_tiles(q, k, v, do, lse2, delta, *masks, kv_ranges, scale=cfg.scale, blocks=b,
                                              n_tiles=n_tiles)
         q_ranges = _loop_ranges(cfg, *masks, b.dkv_q, b.dkv_k, per_kv_block=False)
