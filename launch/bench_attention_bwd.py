@@ -84,6 +84,10 @@ VARIANTS = {
     "tiles_w8": dict(bwd="tiles", tiles_dq_warps=8),
     "tiles_s2": dict(bwd="tiles", tiles_dq_stages=2),
     "tiles_s4": dict(bwd="tiles", tiles_dq_stages=4),
+    "tiles_span2": dict(bwd="tiles", tiles_dq_span=2),
+    "tiles_span2w8": dict(bwd="tiles", tiles_dq_span=2, tiles_dq_warps=8),
+    "tiles_span4w8": dict(bwd="tiles", tiles_dq_span=4, tiles_dq_warps=8),
+    "tiles_span2s2": dict(bwd="tiles", tiles_dq_span=2, tiles_dq_stages=2),
     # forward tiles (s = pipeline stages; 2-3 programs per SM need <= ~113 KB of shared memory each)
     "fwd_q128k128w8s2": _fwd(128, 128, 8, 2),
     "fwd_q128k128w8s3": _fwd(128, 128, 8, 3),
@@ -132,7 +136,8 @@ class KernelTimer:
 
     def __call__(self, phase: str, blocks):
         blocks = blocks.clipped(self.T, self.T)  # the kernels take whole tiles (only --quick shapes are shorter)
-        key = (phase, _key(blocks, phase + "_"))
+        prefixes = ("dkv_", "tiles_") if phase.endswith("_tiles") else (phase + "_",)
+        key = (phase, *(_key(blocks, p) for p in prefixes))
         if key not in self.cache:
             self.cache[key] = bench.attempt(bench.time_attention_pass, self.prob, phase, blocks)
         return self.cache[key]
@@ -172,8 +177,8 @@ def bench_shape(B, T, variants, ref_impl, deadline, report_row, save):
         got = fwd_bwd(q, k, v, do)
         got = (got[0], *got[1])
         kernel_ms, kernel_tflops = dict(fwd=fwd_ms[fwd_key] * 1e3), {}
-        if blocks.bwd == "split":
-            for phase in ("dq", "dkv"):
+        if blocks.bwd in ("split", "tiles"):
+            for phase in ("dq", "dkv") if blocks.bwd == "split" else ("dkv_tiles", "dq_tiles"):
                 t, kerr = kernels(phase, blocks)
                 kernel_ms[phase] = kerr if t is None else t * 1e3
         for phase, ms in kernel_ms.items():

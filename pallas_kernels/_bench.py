@@ -252,17 +252,41 @@ def attention_pass_problem(B, T, H, KV, d, base: AttentionBlocks) -> AttentionPa
     return AttentionPassProblem(q, k, v, do, pos, np_pos, lse2, delta)
 
 
-# matmuls per tile relative to the forward's 2 (qk, pv): dq 3 (qk, dp, dq), dk/dv 4 (qk, dv, dp, dk)
-PASS_FLOPS = {"fwd": 1.0, "dq": 1.5, "dkv": 2.0}
+# matmuls per tile relative to the forward's 2 (qk, pv): dq 3 (qk, dp, dq), dk/dv 4 (qk, dv, dp, dk); the 'tiles'
+# backward's dk/dv kernel does the dk/dv matmuls (and writes dS), its dq kernel one matmul (dS . K)
+PASS_FLOPS = {"fwd": 1.0, "dq": 1.5, "dkv": 2.0, "dkv_tiles": 2.0, "dq_tiles": 0.5}
+
+
+def _tiles_pass(prob: AttentionPassProblem, phase: str, blocks: AttentionBlocks, scale, reps, calls):
+    """Seconds of the 'tiles' backward's dk/dv kernel (writing dS) or of its dq kernel (reading it) alone."""
+    B, Tp, H, _ = prob.q.shape
+    _, groups, heads = attn_kern.dkv_layout(H, prob.k.shape[2], B, prob.k.shape[1], blocks)
+    np_rg = blocks_lib.ranges(prob.np_pos, prob.np_pos, None, None, None, blocks.dkv_q, blocks.dkv_k,
+                              per_kv_block=True, static=True, as_numpy=True)
+    kv_rg, n_tiles = attn_kern.ds_tile_offsets(np_rg, Tp // blocks.dkv_q, groups // heads, True)
+    pos = prob.pos
+    dkv = jax.jit(lambda q, k, v, do, lse2, delta, rg: attn_kern.backward_dkv_tiles(
+        q, k, v, do, lse2, delta, pos, pos, None, None, None, rg, scale=scale, blocks=blocks, n_tiles=n_tiles))
+    dkv_args = (prob.q, prob.k, prob.v, prob.do, prob.lse2, prob.delta, kv_rg)
+    if phase == "dkv_tiles":
+        return time_call(dkv, *dkv_args, reps=reps, calls=calls)
+    ds = dkv(*dkv_args)[2]
+    q_rg = blocks_lib.ranges(prob.np_pos, prob.np_pos, None, None, None, blocks.dkv_q, blocks.dkv_k,
+                             per_kv_block=False, static=True)
+    dq = jax.jit(lambda ds, k, q_rg, kv_rg: attn_kern.backward_dq_tiles(
+        ds, k, q_rg, kv_rg, scale=scale, blocks=blocks, q_shape=prob.q.shape, q_dtype=prob.q.dtype))
+    return time_call(dq, ds, prob.k, q_rg, kv_rg, reps=reps, calls=calls)
 
 
 def time_attention_pass(prob: AttentionPassProblem, phase: str, blocks: AttentionBlocks, *, reps=5,
                         calls=3) -> float:
-    """Seconds per call of one attention kernel ('fwd', 'dq' or 'dkv') alone under `blocks`."""
+    """Seconds per call of one attention kernel ('fwd', 'dq', 'dkv', 'dkv_tiles' or 'dq_tiles') alone."""
+    scale = prob.q.shape[-1] ** -0.5
+    if phase in ("dkv_tiles", "dq_tiles"):
+        return _tiles_pass(prob, phase, blocks, scale, reps, calls)
     bq, bk = getattr(blocks, f"{phase}_q"), getattr(blocks, f"{phase}_k")
     rg = blocks_lib.ranges(prob.np_pos, prob.np_pos, None, None, None, bq, bk, per_kv_block=phase == "dkv",
                            static=True)
-    scale = prob.q.shape[-1] ** -0.5
     pos = prob.pos
     if phase == "fwd":
         fn = jax.jit(lambda q, k, v, rg: attn_kern.forward(q, k, v, pos, pos, None, None, None, rg, scale=scale,
