@@ -101,9 +101,13 @@ _ATTENTION = {
     # (benchmarks/attention_stored_ds_h200.json); it was removed again. The fused backward ('atomic') with relaxed
     # atomics (_relaxed_atomic.py) measured fwd+bwd 22.1 against 40.7 ms with acq_rel at T=32768 (1.60 against
     # 3.04 at 4096), still behind split's 18.4 / 1.31: its 4.3G fp32 adds at 32k, one per (query row, head, key
-    # block), cost ~7.5 ms (benchmarks/attention_relaxed_atomic_h200.json). 'tiles' (whole dS tiles, written
-    # contiguous) is not measured yet.
-    "cuda": AttentionBlocks(fwd_q=128, fwd_k=128, fwd_warps=8, fwd_stages=3, dq_stages=4, dkv_q=32, dkv_heads=2),
+    # block), cost ~7.5 ms (benchmarks/attention_relaxed_atomic_h200.json). The 'tiles' backward (dS written as
+    # whole tiles, a one-matmul dq kernel): at B=4, T=4096 fwd+bwd 1.250 / 1.253 ms against split's 1.309 / 1.313
+    # in two runs (dk/dv + dS 0.59 ms against 0.53, dq 0.29 against 0.41); at T=32768 level or 1% slower (dk/dv +
+    # dS 9.6 against 7.8 ms, dq 4.1 against 5.6), so the long row keeps split (benchmarks/attention_tiles_h200*.json;
+    # 2 or 4 query tiles per dq program measured slower).
+    "cuda": AttentionBlocks(fwd_q=128, fwd_k=128, fwd_warps=8, fwd_stages=3, dq_stages=4, dkv_q=32, dkv_heads=2,
+                            bwd="tiles", tiles_dq_stages=2),
     # MI300X: 64-lane wavefronts (4 waves = 256 lanes), AMD's Triton pipeliner wants num_stages 1-2.
     "rocm": AttentionBlocks(fwd_q=128, fwd_k=64, fwd_warps=4, fwd_stages=1, dq_q=128, dq_k=64, dq_warps=4,
                             dq_stages=1, dkv_q=64, dkv_k=128, dkv_warps=4, dkv_stages=1),
@@ -117,7 +121,7 @@ _ATTENTION = {
 # Long query sequences (q_len >= the key): fields that replace the table's. On the H200 at B=1, T=32768, dk/dv with 16
 # positions x 4 stacked heads: 0.77x cuDNN against 0.69x unstacked (benchmarks/attention_bwd_h200.json).
 _ATTENTION_LONG = {
-    "cuda": (16384, dict(dkv_q=16, dkv_heads=4)),
+    "cuda": (16384, dict(dkv_q=16, dkv_heads=4, bwd="split")),
 }
 
 
