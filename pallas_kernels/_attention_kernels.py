@@ -254,13 +254,10 @@ def _dkv_kernel(rng_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref
     The logits are computed transposed ([block_k, query rows]) so dk and dv accumulate without transposes.
     with_dq (the fused backward): each step also adds its unscaled dq contribution ds . k to the zero-initialised
     fp32 dq with atomic adds (programs of other key blocks add to the same rows; the order is not fixed).
-    store_ds: each step also writes its ds tile [block_k, query rows] whole into the dS slots (`ds_slots`): the
-    slot of (query block, head block, this key block), or the spare last slot for a query block whose own range
-    leaves this key block out (its ds is zero, and the dq kernel never reads it)."""
+    store_ds: step t also writes its ds tile [block_k, query rows] whole to dS tile rng[4] + t (`ds_tile_offsets`)."""
     if with_dq:
         qs_ref, ks_ref, window, (_, dk_ref, dv_ref, dq_ref) = _optional_refs(rest, has_seg, has_window, 4)
     elif store_ds:
-        qt_ref, *rest = rest
         qs_ref, ks_ref, window, (dk_ref, dv_ref, ds_ref) = _optional_refs(rest, has_seg, has_window, 3)
     else:
         qs_ref, ks_ref, window, (dk_ref, dv_ref) = _optional_refs(rest, has_seg, has_window, 2)
@@ -275,9 +272,9 @@ def _dkv_kernel(rng_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref
     row_pos, row_head = lax.div(row, heads), lax.rem(row, heads)
     col = lax.broadcasted_iota(jnp.int32, (k.shape[1],), 0)
 
-    key_block = pl.program_id(2)
-
     def run(lo, hi, carry, masked):
+        first_tile = rng_ref[4] + (lo - rng_ref[0]) * head_blocks if store_ds else None
+
         def step(t, carry):
             dk, dv = carry
             # consecutive steps share a query block, so its positions and masks stay in cache
@@ -305,11 +302,7 @@ def _dkv_kernel(rng_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref
                 idx = (pos, hd, slice(None)) if heads == 1 else (pos[:, None], hd[:, None], col[None, :])
                 relaxed_atomic_add(dq_ref, idx, dq_part)
             if store_ds:
-                qb = lo + lax.div(t, head_blocks)
-                q_lo, q_n = qt_ref[qb, 0], qt_ref[qb, 5]
-                in_run = (q_lo <= key_block) & (key_block < q_lo + q_n)
-                slot = qt_ref[qb, 4] + lax.rem(t, head_blocks) * q_n + key_block - q_lo
-                ds_ref[jnp.where(in_run, slot, ds_ref.shape[0] - 1)] = ds_t
+                ds_ref[first_tile + t] = ds_t
             return dk + plgpu.dot(ds_t, q), dv
         return lax.fori_loop(0, (hi - lo) * head_blocks, step, carry)
 
@@ -358,13 +351,13 @@ def dkv_layout(H: int, KV: int, B: int, Sp: int, blocks) -> tuple[int, int, int]
 
 
 def _dkv_call(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ranges, *, scale, blocks,
-              with_dq=False, ds_table=None):
+              with_dq=False, n_tiles=None):
     B, Tp, H, dp = q.shape
     Sp, KV = k.shape[1], k.shape[2]
     bq, bk = blocks.dkv_q, blocks.dkv_k
     nk = Sp // bk
     split, groups, heads = dkv_layout(H, KV, B, Sp, blocks)
-    store_ds = ds_table is not None
+    store_ds = n_tiles is not None
     has_seg = q_seg is not None
     ranges, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window = _vma.vary_to_union(
         ranges, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window)
@@ -377,13 +370,8 @@ def _dkv_call(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ra
     q_vec = pl.BlockSpec((None, Tp), lambda g, b, j: (b, 0))
     kv_vec = pl.BlockSpec((None, bk), lambda g, b, j: (b, j))
     opt_specs, opt_arrays = _optional_inputs(q_vec, kv_vec, q_seg, kv_seg, window)
-    if store_ds:  # the query blocks' slot table goes first among the optional inputs
-        q_table, n_slots = ds_table
-        q_table = _vma.vary(q_table, _vma.varying_axes(q))
-        opt_specs = [pl.BlockSpec((None, Tp // bq, 8), lambda g, b, j: (b, 0, 0))] + opt_specs
-        opt_arrays = [q_table] + opt_arrays
-    in_specs = [pl.BlockSpec((None, None, 4), lambda g, b, j: (b, j, 0)), group_spec, kv_spec, kv_spec, group_spec,
-                rows_spec, rows_spec, q_vec, kv_vec] + opt_specs
+    in_specs = [pl.BlockSpec((None, None, ranges.shape[-1]), lambda g, b, j: (b, j, 0)), group_spec, kv_spec,
+                kv_spec, group_spec, rows_spec, rows_spec, q_vec, kv_vec] + opt_specs
     out_dtype = k.dtype if split == 1 else F32  # partial sums stay fp32 until they are added
     out_shape = _vma.out_struct((B, Sp, KV * split, dp), out_dtype, q)
     args = [ranges, q, k, v, do, lse2, delta, q_pos, kv_pos, *opt_arrays]
@@ -394,9 +382,9 @@ def _dkv_call(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ra
         in_specs.append(group_spec)
         out_specs.append(group_spec)
         out_shapes.append(_vma.out_struct((B, Tp, H, dp), F32, q))
-    if store_ds:  # the program's dS slots (those no dk/dv step visits stay unwritten)
-        out_specs.append(pl.BlockSpec((None, None, n_slots, bk, bq * heads), lambda g, b, j: (b, g, 0, 0, 0)))
-        out_shapes.append(_vma.out_struct((B, KV * split, n_slots, bk, bq * heads), q.dtype, q))
+    if store_ds:  # the program's own dS tiles (only those its loop visits are written)
+        out_specs.append(pl.BlockSpec((None, None, n_tiles, bk, bq * heads), lambda g, b, j: (b, g, 0, 0, 0)))
+        out_shapes.append(_vma.out_struct((B, KV * split, n_tiles, bk, bq * heads), q.dtype, q))
     outs = pl.pallas_call(
         functools.partial(_dkv_kernel, c=scale * LOG2E, scale=scale, block_q=bq, groups=groups, heads=heads,
                           has_seg=has_seg, has_window=window is not None, with_dq=with_dq, store_ds=store_ds),
@@ -417,84 +405,92 @@ def _dkv_call(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ra
 
 
 # ---------------------------------------------------------------------------------------------- dq from dS tiles
-def ds_slots(q_ranges, n_kv_blocks: int, head_blocks: int, static: bool):
-    """-> (table [B, nq, 8] int32, n_slots) of the 'tiles' backward's dS, laid out query-major so that the dq kernel
-    reads its tiles at addresses affine in its loop index.
+def ds_tile_offsets(dkv_ranges, n_q_blocks: int, head_blocks: int, static: bool):
+    """-> (ranges [B, nk, 8]: the dk/dv loop ranges with column 4 = the key block's first dS tile, n_tiles).
 
-    Query block i with key-block range [lo, hi) (columns 0-3, from the dk/dv query tiling) owns hi - lo slots per
-    head block from slot first_i (column 4; column 5 = hi - lo): slot(i, h, j) = first_i + h (hi - lo) + j - lo.
-    first_i is the running sum over the query blocks before it. n_slots (static) is the largest total over the
-    batch plus one spare slot: exact with static ranges, otherwise every (query block, key block) pair."""
+    Key block j's program writes one tile per (query block, head block) step of its range [lo, hi), so its tiles
+    start at the running sum of (hi - lo) * head_blocks over the key blocks before it. n_tiles (static) is the
+    largest such total over the batch: exact with static ranges, otherwise every (key block, query block) pair."""
     xp = np if static else jnp
     if static:
-        q_ranges = np.asarray(q_ranges)
-    count = (q_ranges[..., 3] - q_ranges[..., 0]).astype(np.int32)
-    first = xp.cumsum(count * head_blocks, axis=-1) - count * head_blocks
-    pad = xp.zeros(q_ranges.shape[:-1] + (2,), np.int32)
-    table = xp.concatenate([q_ranges, first[..., None].astype(np.int32), count[..., None], pad], axis=-1)
+        dkv_ranges = np.asarray(dkv_ranges)
+    count = (dkv_ranges[..., 3] - dkv_ranges[..., 0]) * head_blocks
+    first = xp.cumsum(count, axis=-1) - count
+    pad = xp.zeros(dkv_ranges.shape[:-1] + (3,), np.int32)
+    out = xp.concatenate([dkv_ranges, first[..., None].astype(np.int32), pad], axis=-1)
     if static:
-        return jnp.asarray(table), int((count * head_blocks).sum(axis=-1).max()) + 1
-    return table, q_ranges.shape[1] * n_kv_blocks * head_blocks + 1
+        return jnp.asarray(out), max(1, int(count.sum(axis=-1).max()))
+    return out, dkv_ranges.shape[1] * n_q_blocks * head_blocks
 
 
 def backward_dkv_tiles(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ranges, *, scale, blocks,
-                       ds_table):
-    """-> (dk, dv) in k.dtype and dS [B, programs, n_slots, dkv_k, dkv_q * heads] in q.dtype (tiles key-major,
-    WITHOUT the softmax scale) in the slots of ds_table = `ds_slots(...)`."""
+                       n_tiles):
+    """-> (dk, dv) in k.dtype and dS tiles [B, programs, n_tiles, dkv_k, dkv_q * heads] in q.dtype, key-major,
+    WITHOUT the softmax scale; `ranges` from `ds_tile_offsets`. Tiles outside every loop are left unwritten."""
     return _dkv_call(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ranges, scale=scale,
-                     blocks=blocks, ds_table=ds_table)
+                     blocks=blocks, n_tiles=n_tiles)
 
 
-def _dq_tiles_kernel(qt_ref, krng_ref, k_ref, ds_ref, dq_ref, *, scale, block_q, block_k, heads, head_blocks,
-                     n_q_blocks):
-    """dq of one dk/dv query tile (block_q positions x `heads` heads of one head block): the sum over the key blocks
-    of its range of dS-tileᵀ . K. A key block whose dk/dv loop skipped this query block wrote no tile: it adds 0."""
-    i = n_q_blocks - 1 - pl.program_id(2)  # heaviest query blocks first
+def _dq_tiles_kernel(qrng_ref, krng_ref, k_ref, ds_ref, dq_ref, *, scale, block_q, block_k, heads, head_blocks,
+                     n_programs, span):
+    """dq of `span` consecutive dk/dv query tiles (block_q positions x `heads` heads of one head block each): the sum
+    over key blocks of dS-tileᵀ . K, each K tile loaded once for the span. A key block whose dk/dv loop skipped a
+    query tile wrote no tile for it: it adds 0 (as do key blocks outside a tile's own range: their dS is 0)."""
+    i0 = (n_programs - 1 - pl.program_id(2)) * span  # heaviest query tiles first
     hb = lax.rem(pl.program_id(0), head_blocks)
     rows = block_q * heads
-    lo, hi = qt_ref[0], qt_ref[3]
-    base = qt_ref[4] + hb * (hi - lo) - lo
+    lo = functools.reduce(jnp.minimum, [qrng_ref[a, 0] for a in range(span)])
+    hi = functools.reduce(jnp.maximum, [qrng_ref[a, 3] for a in range(span)])
 
-    def step(j, dq):
-        written = (krng_ref[j, 0] <= i) & (i < krng_ref[j, 3])
-        ds_t = ds_ref[base + j]
-        ds_t = jnp.where(written, ds_t, jnp.zeros_like(ds_t))
+    def step(j, dqs):
+        k_lo, k_hi, first = krng_ref[j, 0], krng_ref[j, 3], krng_ref[j, 4]
         kt = k_ref[pl.ds(pl.multiple_of(j * block_k, block_k), block_k), :]
-        return dq + plgpu.dot(ds_t, kt, trans_a=True)
+        out = []
+        for a, dq in enumerate(dqs):
+            i = i0 + a
+            written = (k_lo <= i) & (i < k_hi)
+            ds_t = ds_ref[jnp.where(written, first + (i - k_lo) * head_blocks + hb, 0)]
+            ds_t = jnp.where(written, ds_t, jnp.zeros_like(ds_t))
+            out.append(dq + plgpu.dot(ds_t, kt, trans_a=True))
+        return tuple(out)
 
-    dq = lax.fori_loop(lo, hi, step, jnp.zeros((rows, k_ref.shape[-1]), F32))
-    dq = (dq * scale).astype(dq_ref.dtype)
-    start = i * block_q
-    if heads == 1:
-        dq_ref[pl.ds(start, block_q), hb, :] = dq
-    else:  # stacked rows back to (position, head): integer indices on every axis, as the dk/dv kernel reads them
-        row = lax.broadcasted_iota(jnp.int32, (rows,), 0)
-        col = lax.broadcasted_iota(jnp.int32, (dq.shape[1],), 0)
-        pos, hd = start + lax.div(row, heads), hb * heads + lax.rem(row, heads)
-        dq_ref[pos[:, None], hd[:, None], col[None, :]] = dq
+    zeros = jnp.zeros((rows, k_ref.shape[-1]), F32)
+    dqs = lax.fori_loop(lo, hi, step, (zeros,) * span)
+    row = lax.broadcasted_iota(jnp.int32, (rows,), 0)
+    col = lax.broadcasted_iota(jnp.int32, (k_ref.shape[-1],), 0)
+    for a, dq in enumerate(dqs):
+        dq = (dq * scale).astype(dq_ref.dtype)
+        start = (i0 + a) * block_q
+        if heads == 1:
+            dq_ref[pl.ds(start, block_q), hb, :] = dq
+        else:  # stacked rows back to (position, head): integer indices on every axis, as the dk/dv kernel reads
+            pos, hd = start + lax.div(row, heads), hb * heads + lax.rem(row, heads)
+            dq_ref[pos[:, None], hd[:, None], col[None, :]] = dq
 
 
-def backward_dq_tiles(ds, k, q_table, kv_ranges, *, scale, blocks, q_shape, q_dtype):
-    """dq [B, Tp, H, dp] in q_dtype from the dS of `backward_dkv_tiles`: q_table its slot table (`ds_slots`),
-    kv_ranges [B, nk, 4] the dk/dv kernel's loop ranges (which tiles were written)."""
+def backward_dq_tiles(ds, k, q_ranges, kv_ranges, *, scale, blocks, q_shape, q_dtype):
+    """dq [B, Tp, H, dp] in q_dtype from the dS tiles of `backward_dkv_tiles`. q_ranges [B, Tp // dkv_q, 4] are the
+    key-block loop ranges of each dk/dv query block, kv_ranges those of `ds_tile_offsets`."""
     B, Tp, H, dp = q_shape
     Sp, KV = k.shape[1], k.shape[2]
     bq, bk = blocks.dkv_q, blocks.dkv_k
     split, groups, heads = dkv_layout(H, KV, B, Sp, blocks)
     head_blocks = groups // heads
-    n_slots, nq = ds.shape[2], Tp // bq
-    ds, k, q_table, kv_ranges = _vma.vary_to_union(ds, k, q_table, kv_ranges)
+    n_tiles, nq = ds.shape[2], Tp // bq
+    span = blocks.tiles_dq_span if nq % blocks.tiles_dq_span == 0 else 1
+    n_programs = nq // span
+    ds, k, q_ranges, kv_ranges = _vma.vary_to_union(ds, k, q_ranges, kv_ranges)
     return pl.pallas_call(
         functools.partial(_dq_tiles_kernel, scale=scale, block_q=bq, block_k=bk, heads=heads,
-                          head_blocks=head_blocks, n_q_blocks=nq),
-        grid=(KV * split * head_blocks, B, nq),
-        in_specs=[pl.BlockSpec((None, None, 8), lambda g, b, i: (b, nq - 1 - i, 0)),
-                  pl.BlockSpec((None, kv_ranges.shape[1], 4), lambda g, b, i: (b, 0, 0)),
+                          head_blocks=head_blocks, n_programs=n_programs, span=span),
+        grid=(KV * split * head_blocks, B, n_programs),
+        in_specs=[pl.BlockSpec((None, span, 4), lambda g, b, i: (b, n_programs - 1 - i, 0)),
+                  pl.BlockSpec((None, kv_ranges.shape[1], 8), lambda g, b, i: (b, 0, 0)),
                   pl.BlockSpec((None, Sp, None, dp), lambda g, b, i: (b, 0, lax.div(g, split * head_blocks), 0)),
-                  pl.BlockSpec((None, None, n_slots, bk, bq * heads),
+                  pl.BlockSpec((None, None, n_tiles, bk, bq * heads),
                                lambda g, b, i: (b, lax.div(g, head_blocks), 0, 0, 0))],
         out_specs=pl.BlockSpec((None, Tp, groups, dp), lambda g, b, i: (b, 0, lax.div(g, head_blocks), 0)),
         out_shape=_vma.out_struct((B, Tp, H, dp), q_dtype, ds),
         compiler_params=_platform.compiler_params(blocks.tiles_dq_warps, blocks.tiles_dq_stages),
         interpret=_platform.interpret(), name="cca_attention_dq_tiles",
-    )(q_table, kv_ranges, k, ds)
+    )(q_ranges, kv_ranges, k, ds)

@@ -261,22 +261,21 @@ def _tiles_pass(prob: AttentionPassProblem, phase: str, blocks: AttentionBlocks,
     """Seconds of the 'tiles' backward's dk/dv kernel (writing dS) or of its dq kernel (reading it) alone."""
     B, Tp, H, _ = prob.q.shape
     _, groups, heads = attn_kern.dkv_layout(H, prob.k.shape[2], B, prob.k.shape[1], blocks)
-
-    def ranges(per_kv_block, as_numpy=False):
-        return blocks_lib.ranges(prob.np_pos, prob.np_pos, None, None, None, blocks.dkv_q, blocks.dkv_k,
-                                 per_kv_block=per_kv_block, static=True, as_numpy=as_numpy)
-
-    table = attn_kern.ds_slots(ranges(False, True), prob.k.shape[1] // blocks.dkv_k, groups // heads, True)
-    kv_rg, pos = ranges(True), prob.pos
-    dkv = jax.jit(lambda q, k, v, do, lse2, delta, rg, qt: attn_kern.backward_dkv_tiles(
-        q, k, v, do, lse2, delta, pos, pos, None, None, None, rg, scale=scale, blocks=blocks,
-        ds_table=(qt, table[1])))
-    dkv_args = (prob.q, prob.k, prob.v, prob.do, prob.lse2, prob.delta, kv_rg, table[0])
+    np_rg = blocks_lib.ranges(prob.np_pos, prob.np_pos, None, None, None, blocks.dkv_q, blocks.dkv_k,
+                              per_kv_block=True, static=True, as_numpy=True)
+    kv_rg, n_tiles = attn_kern.ds_tile_offsets(np_rg, Tp // blocks.dkv_q, groups // heads, True)
+    pos = prob.pos
+    dkv = jax.jit(lambda q, k, v, do, lse2, delta, rg: attn_kern.backward_dkv_tiles(
+        q, k, v, do, lse2, delta, pos, pos, None, None, None, rg, scale=scale, blocks=blocks, n_tiles=n_tiles))
+    dkv_args = (prob.q, prob.k, prob.v, prob.do, prob.lse2, prob.delta, kv_rg)
     if phase == "dkv_tiles":
         return time_call(dkv, *dkv_args, reps=reps, calls=calls)
-    dq = jax.jit(lambda ds, k, qt, kv_rg: attn_kern.backward_dq_tiles(
-        ds, k, qt, kv_rg, scale=scale, blocks=blocks, q_shape=prob.q.shape, q_dtype=prob.q.dtype))
-    return time_call(dq, dkv(*dkv_args)[2], prob.k, table[0], kv_rg, reps=reps, calls=calls)
+    ds = dkv(*dkv_args)[2]
+    q_rg = blocks_lib.ranges(prob.np_pos, prob.np_pos, None, None, None, blocks.dkv_q, blocks.dkv_k,
+                             per_kv_block=False, static=True)
+    dq = jax.jit(lambda ds, k, q_rg, kv_rg: attn_kern.backward_dq_tiles(
+        ds, k, q_rg, kv_rg, scale=scale, blocks=blocks, q_shape=prob.q.shape, q_dtype=prob.q.dtype))
+    return time_call(dq, ds, prob.k, q_rg, kv_rg, reps=reps, calls=calls)
 
 
 def time_attention_pass(prob: AttentionPassProblem, phase: str, blocks: AttentionBlocks, *, reps=5,

@@ -68,8 +68,9 @@ class AttentionBlocks:
     # and a dq kernel reads them back (5 matmuls per tile, deterministic, dS held in between; the split path is
     # used where dS would exceed TILES_MAX_BYTES).
     bwd: str = "split"
-    tiles_dq_warps: int = 4  # the dq-from-dS-tiles kernel (one dk/dv query tile of rows per program)
+    tiles_dq_warps: int = 4  # the dq-from-dS-tiles kernel: `tiles_dq_span` dk/dv query tiles per program
     tiles_dq_stages: int = 3
+    tiles_dq_span: int = 1
 
     def __post_init__(self):
         if self.bwd not in BACKWARDS:

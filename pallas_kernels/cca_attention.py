@@ -91,16 +91,15 @@ def _flash_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, window, cfg: _Config):
     return (o, lse2), (q, k, v, masks, o, lse2)
 
 
-def _tiles_plan(cfg: _Config, q, k, masks):
-    """The dS slot table and its size (`ds_slots`) of the 'tiles' backward; None where dS would exceed
-    TILES_MAX_BYTES (with static positions dS has exactly the tiles the dq kernel reads, plus one)."""
+def _tiles_plan(cfg: _Config, q, k, dkv_ranges):
+    """(dk/dv loop ranges with dS tile offsets, n_tiles) of the 'tiles' backward; None where dS would exceed
+    TILES_MAX_BYTES. dkv_ranges are NumPy with static positions (dS then has exactly the tiles the loops visit)."""
     b = cfg.blocks
     B, Tp, H, _ = q.shape
     split, groups, heads = kern.dkv_layout(H, k.shape[2], B, k.shape[1], b)
-    q_ranges = _loop_ranges(cfg, *masks, b.dkv_q, b.dkv_k, per_kv_block=False, as_numpy=True)
-    table, n_slots = kern.ds_slots(q_ranges, k.shape[1] // b.dkv_k, groups // heads, cfg.static_positions)
-    ds_bytes = B * k.shape[2] * split * n_slots * b.dkv_k * b.dkv_q * heads * q.dtype.itemsize
-    return None if ds_bytes > TILES_MAX_BYTES else (table, n_slots)
+    ranges, n_tiles = kern.ds_tile_offsets(dkv_ranges, Tp // b.dkv_q, groups // heads, cfg.static_positions)
+    ds_bytes = B * k.shape[2] * split * n_tiles * b.dkv_k * b.dkv_q * heads * q.dtype.itemsize
+    return None if ds_bytes > TILES_MAX_BYTES else (ranges, n_tiles)
 
 
 def _flash_bwd(cfg: _Config, res, cotangents):
@@ -112,15 +111,18 @@ def _flash_bwd(cfg: _Config, res, cotangents):
     delta = jnp.where(lse2 >= 0.5 * kern.DEAD_LSE, 0.0, delta)  # rows that see no key: nothing to propagate
     do = do.astype(q.dtype)
     b = cfg.blocks
-    dkv_ranges = _loop_ranges(cfg, *masks, b.dkv_q, b.dkv_k, per_kv_block=True)
-    tiles = _tiles_plan(cfg, q, k, masks) if b.bwd == "tiles" else None
+    dkv_ranges = _loop_ranges(cfg, *masks, b.dkv_q, b.dkv_k, per_kv_block=True, as_numpy=True)
+    tiles = _tiles_plan(cfg, q, k, dkv_ranges) if b.bwd == "tiles" else None
+    dkv_ranges = jnp.asarray(dkv_ranges)
     if b.bwd == "atomic":
         dk, dv, dq = kern.backward_fused(q, k, v, do, lse2, delta, *masks, dkv_ranges, scale=cfg.scale, blocks=b)
         dq = (dq * cfg.scale).astype(q.dtype)
     elif tiles is not None:
-        dk, dv, ds = kern.backward_dkv_tiles(q, k, v, do, lse2, delta, *masks, dkv_ranges, scale=cfg.scale, blocks=b,
-                                             ds_table=tiles)
-        dq = kern.backward_dq_tiles(ds, k, tiles[0], dkv_ranges, scale=cfg.scale, blocks=b, q_shape=q.shape,
+        kv_ranges, n_tiles = tiles
+        dk, dv, ds = kern.backward_dkv_tiles(q, k, v, do, lse2, delta, *masks, kv_ranges, scale=cfg.scale, blocks=b,
+                                             n_tiles=n_tiles)
+        q_ranges = _loop_ranges(cfg, *masks, b.dkv_q, b.dkv_k, per_kv_block=False)
+        dq = kern.backward_dq_tiles(ds, k, q_ranges, kv_ranges, scale=cfg.scale, blocks=b, q_shape=q.shape,
                                     q_dtype=q.dtype)
     else:
         dq_ranges = _loop_ranges(cfg, *masks, b.dq_q, b.dq_k, per_kv_block=False)
