@@ -84,10 +84,8 @@ VARIANTS = {
     "tiles_w8": dict(bwd="tiles", tiles_dq_warps=8),
     "tiles_s2": dict(bwd="tiles", tiles_dq_stages=2),
     "tiles_s4": dict(bwd="tiles", tiles_dq_stages=4),
-    "tiles_span2": dict(bwd="tiles", tiles_dq_span=2),
-    "tiles_span2w8": dict(bwd="tiles", tiles_dq_span=2, tiles_dq_warps=8),
-    "tiles_span4w8": dict(bwd="tiles", tiles_dq_span=4, tiles_dq_warps=8),
-    "tiles_span2s2": dict(bwd="tiles", tiles_dq_span=2, tiles_dq_stages=2),
+    "tiles_s3": dict(bwd="tiles", tiles_dq_stages=3),
+    "split_bwd": dict(bwd="split"),
     # forward tiles (s = pipeline stages; 2-3 programs per SM need <= ~113 KB of shared memory each)
     "fwd_q128k128w8s2": _fwd(128, 128, 8, 2),
     "fwd_q128k128w8s3": _fwd(128, 128, 8, 3),

@@ -432,40 +432,32 @@ def backward_dkv_tiles(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, w
 
 
 def _dq_tiles_kernel(qrng_ref, krng_ref, k_ref, ds_ref, dq_ref, *, scale, block_q, block_k, heads, head_blocks,
-                     n_programs, span):
-    """dq of `span` consecutive dk/dv query tiles (block_q positions x `heads` heads of one head block each): the sum
-    over key blocks of dS-tileᵀ . K, each K tile loaded once for the span. A key block whose dk/dv loop skipped a
-    query tile wrote no tile for it: it adds 0 (as do key blocks outside a tile's own range: their dS is 0)."""
-    i0 = (n_programs - 1 - pl.program_id(2)) * span  # heaviest query tiles first
+                     n_q_blocks):
+    """dq of one dk/dv query tile (block_q positions x `heads` heads of one head block): the sum over the key blocks
+    in its range of dS-tileᵀ . K. A key block whose dk/dv loop skipped this query block wrote no tile: it adds 0."""
+    i = n_q_blocks - 1 - pl.program_id(2)  # heaviest query blocks first
     hb = lax.rem(pl.program_id(0), head_blocks)
     rows = block_q * heads
-    lo = functools.reduce(jnp.minimum, [qrng_ref[a, 0] for a in range(span)])
-    hi = functools.reduce(jnp.maximum, [qrng_ref[a, 3] for a in range(span)])
 
-    def step(j, dqs):
-        k_lo, k_hi, first = krng_ref[j, 0], krng_ref[j, 3], krng_ref[j, 4]
+    def step(j, dq):
+        k_lo, k_hi = krng_ref[j, 0], krng_ref[j, 3]
+        written = (k_lo <= i) & (i < k_hi)
+        tile = jnp.where(written, krng_ref[j, 4] + (i - k_lo) * head_blocks + hb, 0)
+        ds_t = ds_ref[tile]
+        ds_t = jnp.where(written, ds_t, jnp.zeros_like(ds_t))
         kt = k_ref[pl.ds(pl.multiple_of(j * block_k, block_k), block_k), :]
-        out = []
-        for a, dq in enumerate(dqs):
-            i = i0 + a
-            written = (k_lo <= i) & (i < k_hi)
-            ds_t = ds_ref[jnp.where(written, first + (i - k_lo) * head_blocks + hb, 0)]
-            ds_t = jnp.where(written, ds_t, jnp.zeros_like(ds_t))
-            out.append(dq + plgpu.dot(ds_t, kt, trans_a=True))
-        return tuple(out)
+        return dq + plgpu.dot(ds_t, kt, trans_a=True)
 
-    zeros = jnp.zeros((rows, k_ref.shape[-1]), F32)
-    dqs = lax.fori_loop(lo, hi, step, (zeros,) * span)
-    row = lax.broadcasted_iota(jnp.int32, (rows,), 0)
-    col = lax.broadcasted_iota(jnp.int32, (k_ref.shape[-1],), 0)
-    for a, dq in enumerate(dqs):
-        dq = (dq * scale).astype(dq_ref.dtype)
-        start = (i0 + a) * block_q
-        if heads == 1:
-            dq_ref[pl.ds(start, block_q), hb, :] = dq
-        else:  # stacked rows back to (position, head): integer indices on every axis, as the dk/dv kernel reads
-            pos, hd = start + lax.div(row, heads), hb * heads + lax.rem(row, heads)
-            dq_ref[pos[:, None], hd[:, None], col[None, :]] = dq
+    dq = lax.fori_loop(qrng_ref[0], qrng_ref[3], step, jnp.zeros((rows, k_ref.shape[-1]), F32))
+    dq = (dq * scale).astype(dq_ref.dtype)
+    start = i * block_q
+    if heads == 1:
+        dq_ref[pl.ds(start, block_q), hb, :] = dq
+    else:  # stacked rows back to (position, head): integer indices on every axis, as the dk/dv kernel reads them
+        row = lax.broadcasted_iota(jnp.int32, (rows,), 0)
+        col = lax.broadcasted_iota(jnp.int32, (dq.shape[1],), 0)
+        pos, hd = start + lax.div(row, heads), hb * heads + lax.rem(row, heads)
+        dq_ref[pos[:, None], hd[:, None], col[None, :]] = dq
 
 
 def backward_dq_tiles(ds, k, q_ranges, kv_ranges, *, scale, blocks, q_shape, q_dtype):
@@ -477,14 +469,12 @@ def backward_dq_tiles(ds, k, q_ranges, kv_ranges, *, scale, blocks, q_shape, q_d
     split, groups, heads = dkv_layout(H, KV, B, Sp, blocks)
     head_blocks = groups // heads
     n_tiles, nq = ds.shape[2], Tp // bq
-    span = blocks.tiles_dq_span if nq % blocks.tiles_dq_span == 0 else 1
-    n_programs = nq // span
     ds, k, q_ranges, kv_ranges = _vma.vary_to_union(ds, k, q_ranges, kv_ranges)
     return pl.pallas_call(
         functools.partial(_dq_tiles_kernel, scale=scale, block_q=bq, block_k=bk, heads=heads,
-                          head_blocks=head_blocks, n_programs=n_programs, span=span),
-        grid=(KV * split * head_blocks, B, n_programs),
-        in_specs=[pl.BlockSpec((None, span, 4), lambda g, b, i: (b, n_programs - 1 - i, 0)),
+                          head_blocks=head_blocks, n_q_blocks=nq),
+        grid=(KV * split * head_blocks, B, nq),
+        in_specs=[pl.BlockSpec((None, None, 4), lambda g, b, i: (b, nq - 1 - i, 0)),
                   pl.BlockSpec((None, kv_ranges.shape[1], 8), lambda g, b, i: (b, 0, 0)),
                   pl.BlockSpec((None, Sp, None, dp), lambda g, b, i: (b, 0, lax.div(g, split * head_blocks), 0)),
                   pl.BlockSpec((None, None, n_tiles, bk, bq * heads),

@@ -68,9 +68,8 @@ class AttentionBlocks:
     # and a dq kernel reads them back (5 matmuls per tile, deterministic, dS held in between; the split path is
     # used where dS would exceed TILES_MAX_BYTES).
     bwd: str = "split"
-    tiles_dq_warps: int = 4  # the dq-from-dS-tiles kernel: `tiles_dq_span` dk/dv query tiles per program
+    tiles_dq_warps: int = 4  # the dq-from-dS-tiles kernel (one dk/dv query tile of rows per program)
     tiles_dq_stages: int = 3
-    tiles_dq_span: int = 1
 
     def __post_init__(self):
         if self.bwd not in BACKWARDS:
@@ -104,8 +103,10 @@ _ATTENTION = {
     # block), cost ~7.5 ms (benchmarks/attention_relaxed_atomic_h200.json). The 'tiles' backward (dS written as
     # whole tiles, a one-matmul dq kernel): at B=4, T=4096 fwd+bwd 1.250 / 1.253 ms against split's 1.309 / 1.313
     # in two runs (dk/dv + dS 0.59 ms against 0.53, dq 0.29 against 0.41); at T=32768 level or 1% slower (dk/dv +
-    # dS 9.6 against 7.8 ms, dq 4.1 against 5.6), so the long row keeps split (benchmarks/attention_tiles_h200*.json;
-    # 2 or 4 query tiles per dq program measured slower).
+    # dS 9.6 against 7.8 ms, dq 4.1 against 5.6), so the long row keeps split (benchmarks/attention_tiles_h200*.json).
+    # Measured slower and removed: 2 or 4 query tiles per dq program, and dS slots laid out query-major (dq loads at
+    # affine addresses, the dk/dv kernel's stores through a per-step table: dk/dv + dS 0.67 against 0.59 ms at 4k,
+    # benchmarks/attention_tiles_querymajor_h200.json).
     "cuda": AttentionBlocks(fwd_q=128, fwd_k=128, fwd_warps=8, fwd_stages=3, dq_stages=4, dkv_q=32, dkv_heads=2,
                             bwd="tiles", tiles_dq_stages=2),
     # MI300X: 64-lane wavefronts (4 waves = 256 lanes), AMD's Triton pipeliner wants num_stages 1-2.

@@ -65,7 +65,7 @@ def _check(q, k, v, do, dtype, blocks=None, **kw):
 def test_causal_gqa(dtype, dkv_split, heads, bwd):
     q, k, v, do = _qkv(0, 2, 45, 45, 8, 2, 32, dtype)
     blocks = dataclasses.replace(_platform.attention_blocks(32), dkv_split=dkv_split, fwd_heads=heads,
-                                 dq_heads=heads, dkv_heads=heads, bwd=bwd, tiles_dq_span=1 + (heads == 4))
+                                 dq_heads=heads, dkv_heads=heads, bwd=bwd)
     _check(q, k, v, do, dtype, blocks=blocks)
 
 
@@ -121,7 +121,7 @@ def test_query_tile_whose_key_blocks_are_not_contiguous(bwd):
     3 but not 1, whose own loop never reaches that tile (so with 'tiles' it wrote no dS tile there)."""
     q, k, v, do = _qkv(16, 1, 128, 128, 4, 2, 16, jnp.float32)
     seg = jnp.array([[0] * 32 + [1] * 32 + [0] * 64], jnp.int32)
-    blocks = dataclasses.replace(_platform.attention_blocks(16), bwd=bwd, tiles_dq_span=2)
+    blocks = dataclasses.replace(_platform.attention_blocks(16), bwd=bwd)
     _check(q, k, v, do, jnp.float32, blocks=blocks, q_segment_ids=seg)
 
 
