@@ -3,9 +3,10 @@
 At B=4, T=4096 and B=1, T=32768 (8 q / 2 kv heads, d=128, causal, bf16; --shapes picks and orders them) it times
 cuDNN and each Pallas variant (field overrides of the table's row: backward options, forward, dq and dk/dv
 tilings) end to end through the public API: forward alone and forward + backward (medians, pallas_kernels/_bench),
-and checks o, dq, dk, dv against cuDNN's on the same inputs (relative Frobenius error). It also times the dq and
-dk/dv kernels alone (`kernel_ms`, with the forward's end-to-end time as its `fwd`, and TFLOP/s of the flops each
-really does), so a row shows which kernel limits.
+and checks o, dq, dk, dv against cuDNN's on the same inputs (relative Frobenius error). It also times the backward's
+kernels alone (`kernel_ms`: split's dq and dk/dv, or the 'tiles' dk/dv + dS and dq-from-dS; the forward's end-to-end
+time as its `fwd`; TFLOP/s of the flops each really does), so a row shows which kernel limits. The variant `split`
+is the table's own row (whatever backward it names); `split_bwd` forces the split backward.
 Prints ratios cuDNN time / Pallas time (>= 0.8 is the goal), writes the JSON after every variant and ends with
 the fastest variant per shape (overall, forward, dq kernel). --budget-s stops starting new variants; --quick: tiny
 shapes for a CPU dry run of the same code path (interpret mode, the reference is then the jnp attention and
