@@ -82,10 +82,6 @@ VARIANTS = {
     "tiles_q32h2": dict(bwd="tiles", dkv_q=32, dkv_heads=2),
     "tiles_q16h4": dict(bwd="tiles", dkv_q=16, dkv_heads=4),
     "tiles_q64h1": dict(bwd="tiles", dkv_q=64, dkv_heads=1),
-    # 128-row dS tiles: the dq kernel loads one K byte per dS byte instead of two
-    "tiles_q32h4": dict(bwd="tiles", dkv_q=32, dkv_heads=4),
-    "tiles_q32h4s2": dict(bwd="tiles", **_dkv(32, 4, 128, 8, 2)),
-    "tiles_q32h4w8": dict(bwd="tiles", dkv_q=32, dkv_heads=4, tiles_dq_warps=8),
     "tiles_w8": dict(bwd="tiles", tiles_dq_warps=8),
     "tiles_s2": dict(bwd="tiles", tiles_dq_stages=2),
     "tiles_s4": dict(bwd="tiles", tiles_dq_stages=4),

@@ -106,7 +106,9 @@ _ATTENTION = {
     # dS 9.6 against 7.8 ms, dq 4.1 against 5.6), so the long row keeps split (benchmarks/attention_tiles_h200*.json).
     # Measured slower and removed: 2 or 4 query tiles per dq program, and dS slots laid out query-major (dq loads at
     # affine addresses, the dk/dv kernel's stores through a per-step table: dk/dv + dS 0.67 against 0.59 ms at 4k,
-    # benchmarks/attention_tiles_querymajor_h200.json).
+    # benchmarks/attention_tiles_querymajor_h200.json); 128-row dS tiles (32 positions x 4 heads, one K byte per dS
+    # byte in the dq kernel) exceed shared memory at 3 stages and run the dk/dv kernel 3-4x slower at 2
+    # (benchmarks/attention_tiles128_h200.json).
     "cuda": AttentionBlocks(fwd_q=128, fwd_k=128, fwd_warps=8, fwd_stages=3, dq_stages=4, dkv_q=32, dkv_heads=2,
                             bwd="tiles", tiles_dq_stages=2),
     # MI300X: 64-lane wavefronts (4 waves = 256 lanes), AMD's Triton pipeliner wants num_stages 1-2.
