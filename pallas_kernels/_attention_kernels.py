@@ -423,6 +423,16 @@ def ds_tile_offsets(dkv_ranges, n_q_blocks: int, head_blocks: int, static: bool)
     return out, dkv_ranges.shape[1] * n_q_blocks * head_blocks
 
 
+def ds_tile_plan(q_shape, kv_shape, dtype, blocks, dkv_ranges, static: bool):
+    """-> (dk/dv loop ranges with dS tile offsets, n_tiles, dS bytes) of the 'tiles' backward for q [B, Tp, H, dp]
+    and k/v [B, Sp, KV, dp]; dkv_ranges are NumPy with static positions."""
+    B, Tp, H, _ = q_shape
+    split, groups, heads = dkv_layout(H, kv_shape[2], B, kv_shape[1], blocks)
+    ranges, n_tiles = ds_tile_offsets(dkv_ranges, Tp // blocks.dkv_q, groups // heads, static)
+    ds_bytes = B * kv_shape[2] * split * n_tiles * blocks.dkv_k * blocks.dkv_q * heads * jnp.dtype(dtype).itemsize
+    return ranges, n_tiles, ds_bytes
+
+
 def backward_dkv_tiles(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ranges, *, scale, blocks,
                        n_tiles):
     """-> (dk, dv) in k.dtype and dS tiles [B, programs, n_tiles, dkv_k, dkv_q * heads] in q.dtype, key-major,

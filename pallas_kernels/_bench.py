@@ -259,11 +259,9 @@ PASS_FLOPS = {"fwd": 1.0, "dq": 1.5, "dkv": 2.0, "dkv_tiles": 2.0, "dq_tiles": 0
 
 def _tiles_pass(prob: AttentionPassProblem, phase: str, blocks: AttentionBlocks, scale, reps, calls):
     """Seconds of the 'tiles' backward's dk/dv kernel (writing dS) or of its dq kernel (reading it) alone."""
-    B, Tp, H, _ = prob.q.shape
-    _, groups, heads = attn_kern.dkv_layout(H, prob.k.shape[2], B, prob.k.shape[1], blocks)
     np_rg = blocks_lib.ranges(prob.np_pos, prob.np_pos, None, None, None, blocks.dkv_q, blocks.dkv_k,
                               per_kv_block=True, static=True, as_numpy=True)
-    kv_rg, n_tiles = attn_kern.ds_tile_offsets(np_rg, Tp // blocks.dkv_q, groups // heads, True)
+    kv_rg, n_tiles, _ = attn_kern.ds_tile_plan(prob.q.shape, prob.k.shape, prob.q.dtype, blocks, np_rg, True)
     pos = prob.pos
     dkv = jax.jit(lambda q, k, v, do, lse2, delta, rg: attn_kern.backward_dkv_tiles(
         q, k, v, do, lse2, delta, pos, pos, None, None, None, rg, scale=scale, blocks=blocks, n_tiles=n_tiles))

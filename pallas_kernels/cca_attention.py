@@ -94,11 +94,8 @@ def _flash_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, window, cfg: _Config):
 def _tiles_plan(cfg: _Config, q, k, dkv_ranges):
     """(dk/dv loop ranges with dS tile offsets, n_tiles) of the 'tiles' backward; None where dS would exceed
     TILES_MAX_BYTES. dkv_ranges are NumPy with static positions (dS then has exactly the tiles the loops visit)."""
-    b = cfg.blocks
-    B, Tp, H, _ = q.shape
-    split, groups, heads = kern.dkv_layout(H, k.shape[2], B, k.shape[1], b)
-    ranges, n_tiles = kern.ds_tile_offsets(dkv_ranges, Tp // b.dkv_q, groups // heads, cfg.static_positions)
-    ds_bytes = B * k.shape[2] * split * n_tiles * b.dkv_k * b.dkv_q * heads * q.dtype.itemsize
+    ranges, n_tiles, ds_bytes = kern.ds_tile_plan(q.shape, k.shape, q.dtype, cfg.blocks, dkv_ranges,
+                                                  cfg.static_positions)
     return None if ds_bytes > TILES_MAX_BYTES else (ranges, n_tiles)
 
 
