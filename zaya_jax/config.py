@@ -61,6 +61,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     attention_impl: str = "xla"  # 'xla' | 'pallas' | 'cudnn'  (see zaya_jax/ops/attention.py)
     norm_impl: str = "xla"  # 'xla' | 'pallas'
+    ce_impl: str = "xla"  # 'xla' | 'pallas': the chunked head loss's softmax cross-entropy (zaya_jax/ops/cross_entropy.py)
     moe_impl: str = "ragged"  # 'ragged' (sort + lax.ragged_dot) | 'pallas' (tile-padded grouped GEMM kernels)
     #                           | 'dense' (reference: every expert on every token)
     remat: str = "full"  # 'none' | 'full' | 'save_dots' | 'save_attention'  (activation checkpoint policy)
@@ -116,6 +117,7 @@ class ModelConfig:
         need(self.param_dtype in ("float32", "bfloat16"), f"param_dtype {self.param_dtype!r} not supported")
         need(self.attention_impl in ("xla", "pallas", "cudnn"), f"attention_impl {self.attention_impl!r} unknown")
         need(self.norm_impl in ("xla", "pallas"), f"norm_impl {self.norm_impl!r} unknown")
+        need(self.ce_impl in ("xla", "pallas"), f"ce_impl {self.ce_impl!r} unknown")
         need(self.moe_impl in ("ragged", "pallas", "dense"), f"moe_impl {self.moe_impl!r} unknown")
         need(self.remat in ("none", "full", "save_dots", "save_attention"), f"remat {self.remat!r} unknown")
         if self.vocab_size % 64:
@@ -162,8 +164,8 @@ class ModelConfig:
 
     def to_hf_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-             if f.name not in ("rope", "dtype", "param_dtype", "attention_impl", "norm_impl", "moe_impl", "remat",
-                               "scan_layers")}
+             if f.name not in ("rope", "dtype", "param_dtype", "attention_impl", "norm_impl", "ce_impl", "moe_impl",
+                               "remat", "scan_layers")}
         d["layer_types"] = list(self.layer_types)
         d["rope_parameters"] = {t: {"rope_type": "default", "rope_theta": r.theta,
                                     "partial_rotary_factor": r.partial_rotary_factor} for t, r in self.rope.items()}

@@ -11,6 +11,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from zaya_jax.ops.cross_entropy import log_partition, softmax_xent
+
 IGNORE_INDEX = -100
 
 
@@ -77,7 +79,7 @@ def _chunk_terms(logits, t, m):
     """(summed CE terms, fp32 log-partition) of compute-dtype logits. The target logit is gathered before the
     upcast, so that the upcast only feeds reductions XLA can fuse it into (a gather consumer can make it write the
     whole fp32 chunk out)."""
-    log_z = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
+    log_z = log_partition(logits)
     target_logit = jnp.take_along_axis(logits, t[:, None], axis=-1)[:, 0].astype(jnp.float32)
     return jnp.where(m > 0, log_z - target_logit, 0.0).sum(), log_z
 
@@ -99,12 +101,12 @@ def _head_ce_sum(hidden, weight, bias, targets, mask, chunk_tokens):
     return jax.lax.scan(body, _zero_like_tokens(ms), (hs, ts, ms))[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _head_ce(hidden, weight, bias, targets, mask, chunk_tokens):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _head_ce(hidden, weight, bias, targets, mask, chunk_tokens, impl):
     return _head_ce_sum(hidden, weight, bias, targets, mask, chunk_tokens)
 
 
-def _head_ce_fwd(hidden, weight, bias, targets, mask, chunk_tokens):
+def _head_ce_fwd(hidden, weight, bias, targets, mask, chunk_tokens, impl):
     dt = hidden.dtype
     w = weight.astype(dt)
     n = hidden.shape[0]
@@ -113,17 +115,12 @@ def _head_ce_fwd(hidden, weight, bias, targets, mask, chunk_tokens):
     def body(carry, xs):
         total, d_w, d_b = carry
         h, t, m = xs
-        logits = head_logits(h, w, bias)
-        terms, log_z = _chunk_terms(logits, t, m)
-        probs = jnp.exp(logits.astype(jnp.float32) - log_z[:, None])
-        onehot = jax.nn.one_hot(t, logits.shape[-1], dtype=jnp.float32)
-        d_logits = (probs - onehot) * m[:, None]
-        d_logits_c = d_logits.astype(dt)
-        d_h = jnp.einsum("nv,vd->nd", d_logits_c, w, preferred_element_type=jnp.float32)
-        d_w = d_w + jnp.einsum("nv,nd->vd", d_logits_c, h, preferred_element_type=jnp.float32)
+        terms, d_logits = softmax_xent(head_logits(h, w, bias), t, m, impl)
+        d_h = jnp.einsum("nv,vd->nd", d_logits, w, preferred_element_type=jnp.float32)
+        d_w = d_w + jnp.einsum("nv,nd->vd", d_logits, h, preferred_element_type=jnp.float32)
         if d_b is not None:
-            d_b = d_b + d_logits.sum(axis=0)
-        return (total + terms, d_w, d_b), d_h
+            d_b = d_b + d_logits.astype(jnp.float32).sum(axis=0)
+        return (total + terms.sum(), d_w, d_b), d_h
 
     zero = _zero_like_tokens(ms)
     d_b0 = None if bias is None else jnp.zeros(bias.shape, jnp.float32) + zero
@@ -134,7 +131,7 @@ def _head_ce_fwd(hidden, weight, bias, targets, mask, chunk_tokens):
     return total, (d_h, d_w, d_b, like(hidden), like(weight), like(bias), targets, mask)
 
 
-def _head_ce_bwd(chunk_tokens, res, g):
+def _head_ce_bwd(chunk_tokens, impl, res, g):
     d_h, d_w, d_b, h_like, w_like, b_like, targets, mask = res
     d_b = None if d_b is None else (g * d_b).astype(b_like.dtype)
     return ((g * d_h).astype(h_like.dtype), (g * d_w).astype(w_like.dtype), d_b,
@@ -144,7 +141,8 @@ def _head_ce_bwd(chunk_tokens, res, g):
 _head_ce.defvjp(_head_ce_fwd, _head_ce_bwd)
 
 
-def chunked_head_cross_entropy(hidden, weight, targets, mask, *, bias=None, chunk_tokens: int = 4096):
+def chunked_head_cross_entropy(hidden, weight, targets, mask, *, bias=None, chunk_tokens: int = 4096,
+                               impl: str = "xla"):
     """Sum over tokens of the masked next-token CE of `hidden @ weight^T (+ bias)`, and the counted-token total.
 
     hidden [..., D] (compute dtype; the head GEMMs run in it with fp32 accumulation), weight [V, D] (any float dtype,
@@ -152,9 +150,10 @@ def chunked_head_cross_entropy(hidden, weight, targets, mask, *, bias=None, chun
     (hidden[t] predicts targets[t]), mask [...] (0 = not counted), bias [V] or None. Equals
     `token_cross_entropy_terms(head_logits(hidden, weight, bias), targets, mask)` summed (the logits of
     `ZayaForCausalLM.logits`); peak extra memory is about one chunk of logits and their gradient (chunk_tokens x V)
-    instead of all of them."""
+    instead of all of them. impl: how each chunk's loss and logit gradient are formed (zaya_jax/ops/cross_entropy.py:
+    'xla' or the 'pallas' kernel)."""
     d = hidden.shape[-1]
     flat_mask = mask.reshape(-1).astype(jnp.float32)
     total = _head_ce(hidden.reshape(-1, d), weight, bias, targets.reshape(-1).astype(jnp.int32), flat_mask,
-                     int(chunk_tokens))
+                     int(chunk_tokens), impl)
     return total, flat_mask.sum()

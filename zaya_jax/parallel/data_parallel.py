@@ -86,7 +86,9 @@ def sharded_value_and_grad(local_sums, mesh, grad_spec_of, *, zigzag: Zigzag | N
 
             (total, (counted, counts)), grads = jax.value_and_grad(local, has_aux=True)(mine)
             counted = jnp.maximum(lax.psum(counted, ALL), 1.0)
-            grads = jax.tree.map(lambda g, s: _reduce(g / counted, s), grads, grad_specs)
+            # fp32 before the reduction: leaves of a compute-dtype view (model/compute_view.py) come back in bf16
+            grads = jax.tree.map(lambda g, s: _reduce(g.astype(jnp.promote_types(g.dtype, jnp.float32)) / counted,
+                                                      s), grads, grad_specs)
             return (lax.psum(total, ALL) / counted, lax.psum(counts, ALL)), grads
 
         return jax.shard_map(body, mesh=view, in_specs=(P(), P(), specs),

@@ -21,7 +21,7 @@ def model_config(preset_name: str, v: Variant, dtype: str):
     """The preset with the variant's overrides; an override the config rejects (e.g. a moe_impl another change has
     not landed yet) raises the config's own error, reported for that variant only."""
     return preset(preset_name, attention_impl=v.attention_impl, remat=v.remat, moe_impl=v.moe_impl,
-                  norm_impl=v.norm_impl, dtype=dtype, scan_layers=v.scan_layers)
+                  norm_impl=v.norm_impl, ce_impl=v.ce_impl, dtype=dtype, scan_layers=v.scan_layers)
 
 
 def make_tx(v: Variant) -> optax.GradientTransformation:
@@ -68,7 +68,8 @@ def build_fn(v: Variant, cfg, tx):
     if v.kind == "step":
         return jax.jit(make_train_step(graphdef, tx, balancer, ce_chunk_tokens=v.ce_chunk), donate_argnums=0)
     if v.kind == "accum":  # the trainer's step: k microbatches scanned in one program, one update
-        return jax.jit(make_accumulating_train_step(graphdef, tx, balancer, ce_chunk_tokens=v.ce_chunk),
+        return jax.jit(make_accumulating_train_step(graphdef, tx, balancer, ce_chunk_tokens=v.ce_chunk,
+                                                    compute_dtype=cfg.dtype if v.hoist_casts else None),
                        donate_argnums=0)
     loss_fn = make_loss_fn(graphdef, False, ce_chunk_tokens=v.ce_chunk)
     if v.kind == "fwd":

@@ -253,6 +253,7 @@ class Runner:
         return {"note": v.note, "kind": v.kind, "batch": v.batch, "seq": v.seq, "accum": v.accum,
                 "tokens_per_call": v.tokens,
                 "attention_impl": v.attention_impl, "remat": v.remat, "moe_impl": v.moe_impl, "ce_chunk": v.ce_chunk,
+                "ce_impl": v.ce_impl,
                 "optimizer": v.optimizer, "compile_s": item.get("compile_s"), "lower_s": item.get("lower_s"),
                 "memory_analysis": item["memory"]}
 

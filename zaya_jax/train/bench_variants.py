@@ -18,6 +18,7 @@ class Variant:
     remat: str = "none"
     moe_impl: str = "ragged"
     norm_impl: str = "xla"
+    ce_impl: str = "xla"
     ce_chunk: int | None = 4096  # None: full [B, T, V] logits
     optimizer: str = "zaya"  # 'zaya' (Muon + AdamW, build_optimizer) | 'adamw' (AdamW on every parameter, like HF)
     kind: str = "step"  # see KINDS
@@ -26,6 +27,7 @@ class Variant:
     search: str = ""  # name of the memory search this variant is a candidate of ('' = none)
     muon_gram_impl: str = "xla"
     scan_layers: bool = True
+    hoist_casts: bool = True  # kind 'accum': compute-dtype weights cast once per step (model/compute_view.py)
     max_steps: int | None = None  # cap on timed calls (long programs)
     note: str = ""
 
@@ -70,7 +72,8 @@ def main_variant(batch: int, seq: int, gpu: bool) -> Variant:
     benchmarks/train_h200_explore.json). The CPU keeps XLA's ops and the scan: the Pallas kernels only run
     interpreted there, and a dry run should compile fast."""
     fast = "pallas" if gpu else "xla"
-    return Variant("main", batch, seq, attention_impl=fast, norm_impl=fast, moe_impl="pallas" if gpu else "ragged",
+    return Variant("main", batch, seq, attention_impl=fast, norm_impl=fast, ce_impl=fast,
+                   moe_impl="pallas" if gpu else "ragged",
                    muon_gram_impl=fast, scan_layers=not gpu,
                    note="our full step: chunked CE, no remat, Muon (symmetric Gram kernel) + AdamW, Pallas kernels")
 
@@ -126,7 +129,10 @@ def extra_variants(batch: int, seq: int, gpu: bool) -> list[Variant]:
         r(fwd_bwd, name="fwd_bwd_cudnn_attn", attention_impl="cudnn" if gpu else "xla",
           note="fwd_bwd with cuDNN's attention"),
         r(fwd_bwd, name="fwd_bwd_xla_norm", norm_impl="xla", note="fwd_bwd with XLA's norms"),
+        r(fwd_bwd, name="fwd_bwd_xla_ce", ce_impl="xla", note="fwd_bwd with XLA's softmax cross-entropy"),
         r(fwd_bwd, name="fwd_bwd_ce8192", ce_chunk=8192, note="fwd_bwd, CE chunks of 8192 tokens"),
+        r(main, name="accum16_cast_per_micro", kind="accum", accum=16, max_steps=2, hoist_casts=False,
+          note="accum16 with the weights cast to bf16 in every microbatch (no compute_view)"),
     ]
 
 

@@ -230,7 +230,7 @@ def run(config: ConfigDict, workdir: str, *, log=print) -> dict:
     # each ramp value compiles once and the full batch's program serves every step after the ramp.
     step_fn = jax.jit(make_accumulating_train_step(s.graphdef, s.tx, BalancerConfig(**dict(config.balancing)),
                                                    reset_at_documents=reset, ce_chunk_tokens=ce_chunk,
-                                                   grad_fn=grad_fn),
+                                                   grad_fn=grad_fn, compute_dtype=cfg.dtype),
                       donate_argnums=0,
                       out_shardings=(jax.tree.map(lambda x: x.sharding, state), NamedSharding(mesh, P())),
                       compiler_options=combine_threshold_options(s.parallel.bucket_bytes))

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from zaya_jax.model.compute_view import compute_view
 from zaya_jax.model.loss import chunked_head_cross_entropy, token_cross_entropy_terms
 from zaya_jax.optim.balancing import BalancerConfig, update_biases
 from zaya_jax.parallel.context import ContextParallel
@@ -63,7 +64,7 @@ def loss_sums(model, batch, reset_at_documents: bool, ce_chunk_tokens: int | Non
         hidden, aux = model.model(batch["inputs"], **extra)
         bias = model.lm_head.bias[...] if model.lm_head is not None and model.lm_head.bias is not None else None
         total, counted = chunked_head_cross_entropy(hidden, model.head_weight(), batch["targets"], mask, bias=bias,
-                                                    chunk_tokens=ce_chunk_tokens)
+                                                    chunk_tokens=ce_chunk_tokens, impl=model.cfg.ce_impl)
         return total, counted, aux.expert_counts
     logits, aux = model.forward(batch["inputs"], **extra)
     terms, counted = token_cross_entropy_terms(logits, batch["targets"], mask)
@@ -98,11 +99,14 @@ def make_local_loss_sums(graphdef, reset_at_documents: bool, cp: ContextParallel
 
 
 def make_accumulating_train_step(graphdef, tx: optax.GradientTransformation, balancer: BalancerConfig, *,
-                                 reset_at_documents: bool = False, ce_chunk_tokens: int | None = None, grad_fn=None):
+                                 reset_at_documents: bool = False, ce_chunk_tokens: int | None = None, grad_fn=None,
+                                 compute_dtype=None):
     """train_step(state, batches) -> (state, metrics): one optimizer step over the k microbatches of `batches`
     (every field [k, rows, ...]; k is static, so each k compiles its own program). grad_fn(params, model_state,
     batch) -> ((loss, expert counts), grads) replaces value_and_grad of the model loss (data/context parallelism in
-    shard_map plugs in here: zaya_jax/parallel/data_parallel.py).
+    shard_map plugs in here: zaya_jax/parallel/data_parallel.py). compute_dtype: with k > 1, the weights the model
+    reads only in this dtype are cast once before the microbatch loop instead of once per microbatch
+    (model/compute_view.py; their micro-gradients then come in that dtype and are summed in fp32, the same values).
 
     Metrics: loss and the load figures are means over the microbatches (each microbatch's loss is its token mean,
     its load figures the extremes over layers); grad_norm is the norm of the mean gradient the optimizer gets."""
@@ -126,9 +130,11 @@ def make_accumulating_train_step(graphdef, tx: optax.GradientTransformation, bal
             grads, model_state, balancer_state, metrics = microbatch(
                 params, state["model_state"], state["balancer"], jax.tree.map(lambda x: x[0], batches))
         else:
+            view = params if compute_dtype is None else compute_view(params, compute_dtype)
+
             def body(carry, batch):
                 total, model_state, balancer_state = carry
-                grads, model_state, balancer_state, metrics = microbatch(params, model_state, balancer_state, batch)
+                grads, model_state, balancer_state, metrics = microbatch(view, model_state, balancer_state, batch)
                 total = jax.tree.map(lambda t, g: t + g.astype(jnp.float32), total, grads)
                 return (total, model_state, balancer_state), metrics
 

@@ -1,0 +1,92 @@
+"""The softmax cross-entropy kernel (pallas_kernels/softmax_xent.py) against the jnp reference
+(zaya_jax/ops/cross_entropy.py): interpret mode on the CPU, the compiled kernel with `-m gpu`; and the chunked head
+loss with it against the same loss with the reference, value and gradients."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from zaya_jax.model.loss import chunked_head_cross_entropy
+from zaya_jax.ops.cross_entropy import softmax_xent, softmax_xent_reference
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.all(np.isfinite(a)), "kernel produced non-finite values"
+    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+def problem(seed, n, vocab, dtype):
+    k = jax.random.split(jax.random.key(seed), 3)
+    logits = (4.0 * jax.random.normal(k[0], (n, vocab)) + 1.0).astype(dtype)
+    targets = jax.random.randint(k[1], (n,), 0, vocab)
+    # counted, ignored and fractionally weighted rows
+    weights = jnp.where(jnp.arange(n) % 3 == 1, 0.0, jax.random.uniform(k[2], (n,), minval=0.5, maxval=1.5))
+    return logits, targets, weights
+
+
+def check(got, want, dtype):
+    (loss, d), (loss_ref, d_ref) = got, want
+    assert loss.dtype == jnp.float32 and d.dtype == d_ref.dtype == dtype and d.shape == d_ref.shape
+    assert rel_err(loss, loss_ref) <= TOL[dtype]
+    assert rel_err(d.astype(jnp.float32), d_ref.astype(jnp.float32)) <= TOL[dtype]
+    ignored = np.asarray(want[0]) == 0
+    assert np.all(np.asarray(loss)[ignored] == 0) and np.all(np.asarray(d, np.float32)[ignored] == 0)
+
+
+# vocabularies below, at and across the interpreter's 512-column block, none of them whole blocks but 2048
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("n,vocab", [(7, 300), (6, 1000), (5, 2048), (4, 1537)])
+def test_kernel_matches_the_reference(n, vocab, dtype):
+    logits, targets, weights = problem(n * vocab, n, vocab, dtype)
+    check(softmax_xent(logits, targets, weights, "pallas"), softmax_xent_reference(logits, targets, weights), dtype)
+
+
+def test_the_reference_is_the_softmax_cross_entropy_and_its_gradient():
+    logits, targets, weights = problem(0, 6, 50, jnp.float32)
+
+    def loss(x):
+        logp = jax.nn.log_softmax(x, axis=-1)
+        return -(weights * jnp.take_along_axis(logp, targets[:, None], axis=-1)[:, 0])
+
+    got_loss, got_d = softmax_xent_reference(logits, targets, weights)
+    np.testing.assert_allclose(got_loss, loss(logits), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got_d, jax.grad(lambda x: loss(x).sum())(logits), rtol=1e-5, atol=1e-6)
+
+
+def test_unknown_impl_is_rejected():
+    logits, targets, weights = problem(0, 2, 10, jnp.float32)
+    with pytest.raises(ValueError, match="cross-entropy impl 'triton' unknown"):
+        softmax_xent(logits, targets, weights, "triton")
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+def test_chunked_head_loss_with_the_kernel_matches_the_reference(with_bias):
+    n, d, vocab = 40, 32, 700  # 3 chunks of 16 tokens, the last one padded
+    k = jax.random.split(jax.random.key(1), 5)
+    hidden = jax.random.normal(k[0], (2, n // 2, d), jnp.float32)
+    weight = 0.3 * jax.random.normal(k[1], (vocab, d), jnp.float32)
+    bias = 0.1 * jax.random.normal(k[2], (vocab,), jnp.float32) if with_bias else None
+    targets = jax.random.randint(k[3], (2, n // 2), 0, vocab)
+    mask = (jax.random.uniform(k[4], (2, n // 2)) > 0.2).astype(jnp.float32)
+
+    def total(impl):
+        def f(h, w, b):
+            return chunked_head_cross_entropy(h, w, targets, mask, bias=b, chunk_tokens=16, impl=impl)[0]
+        return jax.value_and_grad(f, argnums=(0, 1, 2) if with_bias else (0, 1))(hidden, weight, bias)
+
+    (got, got_grads), (want, want_grads) = total("pallas"), total("xla")
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for g, w in zip(got_grads, want_grads):
+        assert rel_err(g, w) <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_kernel_on_the_gpu_at_the_zaya1_vocabulary(dtype):
+    logits, targets, weights = problem(3, 64, 262272, dtype)
+    check(jax.jit(lambda *a: softmax_xent(*a, "pallas"))(logits, targets, weights),
+          jax.jit(softmax_xent_reference)(logits, targets, weights), dtype)
