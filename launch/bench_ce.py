@@ -22,7 +22,13 @@ import jax.numpy as jnp
 
 from pallas_kernels._bench import copy_ceiling_tbps, gemm_ceiling_tflops, time_call
 from zaya_jax.model import loss
-from zaya_jax.ops.cross_entropy import IMPLS
+from pallas_kernels import softmax_xent as pk
+from pallas_kernels.softmax_xent import XentLaunch
+from zaya_jax.ops.cross_entropy import IMPLS, softmax_xent_reference
+
+# (block, warps, prefetch) candidates timed with --sweep
+SWEEP = [(4096, 4, 0), (4096, 4, 2), (4096, 8, 1), (2048, 4, 1), (2048, 2, 2), (8192, 8, 1), (8192, 4, 1),
+         (1024, 1, 2), (2048, 8, 2)]
 
 
 def problem(tokens: int, hidden: int, vocab: int, seed: int = 0):
@@ -76,6 +82,7 @@ def main(argv=None):
     ap.add_argument("--vocab", type=int, default=262272)
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--sweep", action="store_true", help="also time the kernel's launch candidates (SWEEP)")
     ap.add_argument("--out", default="benchmarks/ce_h200.json")
     args = ap.parse_args(argv)
     if args.tokens % args.chunk:
@@ -96,6 +103,18 @@ def main(argv=None):
         report[f"{impl}_over_gemms_ms"] = extra
         # in bf16 reads of all the logits at copy bandwidth, for scale
         report[f"{impl}_over_gemms_in_logit_reads"] = extra * 1e-3 * report["copy_tbps"] * 1e12 / logits_bytes
+    # the kernel alone next to XLA's passes on one chunk of logits; bandwidth = 2 reads + 1 write of the logits
+    x = jax.random.normal(jax.random.key(1), (args.chunk, args.vocab), jnp.bfloat16)
+    tc, mc = t[:args.chunk], m[:args.chunk]
+    chunk_bytes = 3 * x.size * x.dtype.itemsize
+    kernel_rows = {}
+    for launch in [None] + [XentLaunch(*c) for c in SWEEP] * args.sweep:
+        fn = jax.jit(lambda a, b, c, launch=launch: pk.softmax_xent(a, b, c, launch))
+        ms = 1e3 * time_call(fn, x, tc, mc, reps=args.reps)
+        kernel_rows[str(launch or "default")] = {"ms": ms, "vs_copy": chunk_bytes / (ms * 1e-3) / (report["copy_tbps"] * 1e12)}
+    xla_ms = 1e3 * time_call(jax.jit(softmax_xent_reference), x, tc, mc, reps=args.reps)
+    report["chunk_kernel"] = {"pallas": kernel_rows, "xla_ms": xla_ms,
+                              "pallas_vs_xla": xla_ms / kernel_rows["default"]["ms"]}
     report["pallas_speedup_over_gemms"] = report["xla_over_gemms_ms"] / report["pallas_over_gemms_ms"]
     report["pallas_speedup"] = report["xla_ms"] / report["pallas_ms"]
     print(json.dumps(report, indent=1))

@@ -16,6 +16,7 @@ fp32. A row with weight 0 gets loss 0 and a zero gradient.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -29,65 +30,93 @@ F32 = jnp.float32
 NEG = -1.0e30  # masked tail entries: exp(NEG - max) == 0 without inf arithmetic
 
 
-def _xent_kernel(x_ref, t_ref, w_ref, loss_ref, d_ref, *, vocab: int, block: int):
+@dataclasses.dataclass(frozen=True)
+class XentLaunch:
+    """Columns per loop step, warps per program (one program per row), and blocks loaded `prefetch` steps ahead
+    (carried in registers: Triton does not pipeline loads of a loop without a dot). On the H200 (4096 x 262272
+    bf16, benchmarks/ce_h200.json) 4096 columns x 8 warps x 1 ahead runs at 0.86 of copy bandwidth; 4 warps 0.72-0.75,
+    2048 columns 0.73-0.79, 8192 columns 0.52-0.66."""
+    block: int = 4096
+    num_warps: int = 8
+    prefetch: int = 1
+
+
+def _walk(n_blocks: int, load, body, carry, prefetch: int):
+    """body(j, tile, carry) over column blocks j, tile = load(j) issued `prefetch` steps earlier."""
+    if not prefetch:
+        return jax.lax.fori_loop(0, n_blocks, lambda j, c: body(j, load(j), c), carry)
+
+    def step(j, state):
+        ahead, carry = state  # ahead[k] holds block j + k; past the end the loads are fully masked
+        return (*ahead[1:], load(j + prefetch)), body(j, ahead[0], carry)
+
+    return jax.lax.fori_loop(0, n_blocks, step, (tuple(load(k) for k in range(prefetch)), carry))[1]
+
+
+def _xent_kernel(x_ref, t_ref, w_ref, loss_ref, d_ref, *, vocab: int, block: int, prefetch: int):
     n_blocks = pl.cdiv(vocab, block)
     lanes = jnp.arange(block)
     target, weight = t_ref[...], w_ref[...]  # [1]
 
-    def cols(j):
+    def load(j):
         idx = j * block + lanes
-        return idx, idx < vocab
+        return plgpu.load(x_ref.at[idx], mask=idx < vocab, other=NEG)
 
-    def stats(j, carry):
+    def stats(j, x, carry):
         top, total = carry
-        idx, ok = cols(j)
-        x = plgpu.load(x_ref.at[idx], mask=ok, other=NEG).astype(F32)
+        x = x.astype(F32)
         new_top = jnp.maximum(top, jnp.max(x, axis=0, keepdims=True))
         return new_top, total * jnp.exp(top - new_top) + jnp.sum(jnp.exp(x - new_top), axis=0, keepdims=True)
 
-    top, total = jax.lax.fori_loop(0, n_blocks, stats, (jnp.full((1,), NEG, F32), jnp.zeros((1,), F32)))
+    init = (jnp.full((1,), NEG, F32), jnp.zeros((1,), F32))
+    top, total = _walk(n_blocks, load, stats, init, prefetch)
     lse = top + jnp.log(total)
 
-    def grad(j, picked):
-        idx, ok = cols(j)
-        x = plgpu.load(x_ref.at[idx], mask=ok, other=NEG).astype(F32)
+    def grad(j, x, picked):
+        x = x.astype(F32)
+        idx = j * block + lanes
         hit = idx == target
-        plgpu.store(d_ref.at[idx], (weight * (jnp.exp(x - lse) - hit.astype(F32))).astype(d_ref.dtype), mask=ok)
+        plgpu.store(d_ref.at[idx], (weight * (jnp.exp(x - lse) - hit.astype(F32))).astype(d_ref.dtype),
+                    mask=idx < vocab)
         return picked + jnp.sum(jnp.where(hit, x, 0.0), axis=0, keepdims=True)
 
-    picked = jax.lax.fori_loop(0, n_blocks, grad, jnp.zeros((1,), F32))
+    picked = _walk(n_blocks, load, grad, jnp.zeros((1,), F32), prefetch)
     loss_ref[...] = jnp.where(weight != 0, weight * (lse - picked), 0.0)
 
 
-def _launch(vocab: int):
-    """(column block, warps) per platform: 4096 columns x 4 warps reads 8 KB of bf16 per step per program, and many
-    small programs per SM hide the memory latency. ROCm's 64-lane wavefronts take half the warps."""
-    if _platform.vendor() == "cpu":
-        return min(_platform.next_pow2(vocab), 512), 4
-    return min(_platform.next_pow2(vocab), 4096), 2 if _platform.vendor() == "rocm" else 4
+def default_launch(vocab: int) -> XentLaunch:
+    """Per platform. The interpreter takes small blocks (several per row in the tests); ROCm's 64-lane wavefronts
+    take half the warps for as many lanes (untuned there)."""
+    vendor = _platform.vendor()
+    if vendor == "cpu":
+        return XentLaunch(block=min(_platform.next_pow2(vocab), 512), num_warps=4, prefetch=1)
+    launch = XentLaunch(block=min(_platform.next_pow2(vocab), 4096))
+    return dataclasses.replace(launch, num_warps=max(1, launch.num_warps // 2)) if vendor == "rocm" else launch
 
 
-def softmax_xent(logits, targets, weights):
+def softmax_xent(logits, targets, weights, launch: XentLaunch | None = None):
     """See the module doc. logits [N, V] (bf16 / fp16 / fp32), targets [N] int (in [0, V) where weights != 0),
-    weights [N] -> (loss [N] fp32, d_logits [N, V] logits.dtype)."""
+    weights [N] -> (loss [N] fp32, d_logits [N, V] logits.dtype). launch: overrides the platform's (benchmarks)."""
     if logits.ndim != 2 or targets.shape != logits.shape[:1] or weights.shape != logits.shape[:1]:
         raise ValueError(f"softmax_xent needs logits [N, V], targets [N], weights [N]; got {logits.shape}, "
                          f"{targets.shape}, {weights.shape}")
     n, vocab = logits.shape
-    block, warps = _launch(vocab)
+    launch = launch or default_launch(vocab)
+    if launch.block & (launch.block - 1) or launch.prefetch < 0:
+        raise ValueError(f"XentLaunch needs a power-of-two block and prefetch >= 0, got {launch}")
     logits, targets, weights = _vma.vary_to_union(logits, targets.astype(jnp.int32), weights.astype(F32))
     row = pl.BlockSpec((None, vocab), lambda i: (i, 0))
     one = pl.BlockSpec((1,), lambda i: (i,))
     loss, d_logits = pl.pallas_call(
-        functools.partial(_xent_kernel, vocab=vocab, block=block),
+        functools.partial(_xent_kernel, vocab=vocab, block=launch.block, prefetch=launch.prefetch),
         grid=(n,),
         in_specs=[row, one, one],
         out_specs=[one, row],
         out_shape=[_vma.out_struct((n,), F32, logits), _vma.out_struct((n, vocab), logits.dtype, logits)],
-        compiler_params=_platform.compiler_params(warps, 1),
+        compiler_params=_platform.compiler_params(launch.num_warps, 1),
         interpret=_platform.interpret(), name="softmax_xent",
     )(logits, targets, weights)
     return loss, d_logits
 
 
-__all__ = ["softmax_xent"]
+__all__ = ["XentLaunch", "default_launch", "softmax_xent"]

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import softmax_xent as pk
 from zaya_jax.model.loss import chunked_head_cross_entropy
 from zaya_jax.ops.cross_entropy import softmax_xent, softmax_xent_reference
 
@@ -43,6 +44,13 @@ def check(got, want, dtype):
 def test_kernel_matches_the_reference(n, vocab, dtype):
     logits, targets, weights = problem(n * vocab, n, vocab, dtype)
     check(softmax_xent(logits, targets, weights, "pallas"), softmax_xent_reference(logits, targets, weights), dtype)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_kernel_with_other_prefetch_depths(prefetch):
+    logits, targets, weights = problem(prefetch, 5, 1500, jnp.float32)
+    got = pk.softmax_xent(logits, targets, weights, pk.XentLaunch(block=256, num_warps=4, prefetch=prefetch))
+    check(got, softmax_xent_reference(logits, targets, weights), jnp.float32)
 
 
 def test_the_reference_is_the_softmax_cross_entropy_and_its_gradient():

@@ -26,10 +26,10 @@ cut short still leaves numbers. Headline keys: tokens_per_s, hf_tokens_per_s, ra
 ratio_vs_hf_same_optimizer, ratio_vs_hf_accum16, ratio_labels, breakdown, accumulation,
 long_context, largest_batch.
 
-Measured with this version (benchmarks/train_h200.json, bench preset, batch 2 x 4096): main 201.2 ms = 40.7k
-tokens/s (fwd+bwd 80.0 ms, Muon + AdamW update 125.0 ms) vs HF + torch.compile 102.2 ms = 80.1k (fwd+bwd 96.6 ms);
-AdamW on both sides 1.11x HF; 64 microbatches through the trainer 99.1k against HF's derived 84.6k (1.17x). Three
-versions back: main 384.7 ms = 21.3k, fwd+bwd 204 ms.
+Measured with this version (benchmarks/train_h200.json, bench preset, batch 2 x 4096): main 204.4 ms = 40.1k
+tokens/s (fwd+bwd 79.7 ms, Muon + AdamW update 127.2 ms) vs HF + torch.compile 102.3 ms = 80.1k (fwd+bwd 94.2 ms);
+AdamW on both sides 1.12x HF; 64 microbatches through the trainer 99.7k against HF's derived 86.8k (1.15x), the
+update 3.0% of that step. Four versions back: main 384.7 ms = 21.3k, fwd+bwd 204 ms.
 """
 
 from __future__ import annotations
