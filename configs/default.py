@@ -33,6 +33,9 @@ def get_config() -> ConfigDict:
         init_from="",  # a previous phase's run directory: start from its weights (any device count)
         peak_tflops=0.0,  # per-device peak for MFU; 0 = look up the device kind
         ce_chunk_tokens=0,  # > 0: head + cross-entropy in token chunks (no [B, T, V] fp32 logits); 8192 at 262k vocab
+        # with several microbatches per step, cast the weights read only in the compute dtype once per step (holds a
+        # compute-dtype copy of them, mostly the experts, through the step; zaya_jax/model/compute_view.py)
+        cast_weights_once=True,
         fault="",  # fault injection for drills/tests, e.g. "nan@12,hang@30" (zaya_jax/fault/inject.py)
     ))
     c.optim = ConfigDict(dict(learning_rate=3e-3, schedule="wsd", warmup_steps=20, total_steps=200,

@@ -215,6 +215,7 @@ def run(config: ConfigDict, workdir: str, *, log=print) -> dict:
                         prefetch=config.data.prefetch, vocab_size=cfg.vocab_size)
     reset = bool(config.data.reset_at_documents)
     ce_chunk = int(config.train.get("ce_chunk_tokens", 0)) or None  # chunked head + CE for large vocabularies
+    view_dtype = cfg.dtype if config.train.get("cast_weights_once", True) else None
     grad_fn = None
     if zero_axes(mesh):  # several devices: per-device gradients in shard_map, reduced explicitly (data_parallel.py)
         cp = None
@@ -230,7 +231,7 @@ def run(config: ConfigDict, workdir: str, *, log=print) -> dict:
     # each ramp value compiles once and the full batch's program serves every step after the ramp.
     step_fn = jax.jit(make_accumulating_train_step(s.graphdef, s.tx, BalancerConfig(**dict(config.balancing)),
                                                    reset_at_documents=reset, ce_chunk_tokens=ce_chunk,
-                                                   grad_fn=grad_fn, compute_dtype=cfg.dtype),
+                                                   grad_fn=grad_fn, compute_dtype=view_dtype),
                       donate_argnums=0,
                       out_shardings=(jax.tree.map(lambda x: x.sharding, state), NamedSharding(mesh, P())),
                       compiler_options=combine_threshold_options(s.parallel.bucket_bytes))
