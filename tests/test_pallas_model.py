@@ -48,8 +48,10 @@ def _parity(cfg, B, T, tol):
     assert (num / den) ** 0.5 <= tol
 
 
-def test_tiny_model_parity_interpret():
-    cfg = zc.tiny(num_hidden_layers=1, dtype="float32", vocab_size=128)
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["scan", "unrolled"])
+def test_tiny_model_parity_interpret(scan_layers):
+    """Unrolled, each layer's last merge runs fused with the next norm in the merge kernel."""
+    cfg = zc.tiny(num_hidden_layers=2, dtype="float32", vocab_size=128, scan_layers=scan_layers)
     _parity(cfg, B=1, T=20, tol=1e-4)
 
 
@@ -57,8 +59,8 @@ def test_tiny_model_parity_interpret():
 def test_model_parity_on_gpu():
     """ZAYA1's attention geometry (8 q / 2 kv heads of 128) in one layer: compile time, not the model's size,
     bounds this test (two full forward+backward programs, the Pallas one with five kernels)."""
-    cfg = zc.tiny(num_hidden_layers=1, hidden_size=256, num_attention_heads=8, num_key_value_heads=2,
-                  head_dim=128, vocab_size=256)
+    cfg = zc.tiny(num_hidden_layers=2, hidden_size=256, num_attention_heads=8, num_key_value_heads=2,
+                  head_dim=128, vocab_size=256, scan_layers=False)
     _parity(cfg, B=2, T=256, tol=2e-2)
 
 
@@ -87,11 +89,12 @@ def _train_parity(cfg, B, T, tol):
 
 def test_tiny_training_loss_parity_interpret():
     """Every kernel the trainer selects (attention, norms, cross-entropy, grouped-GEMM experts) against XLA."""
-    _train_parity(zc.tiny(num_hidden_layers=1, dtype="float32", vocab_size=192), B=2, T=20, tol=1e-4)
+    _train_parity(zc.tiny(num_hidden_layers=2, dtype="float32", vocab_size=192, scan_layers=False), B=2, T=20,
+                  tol=1e-4)
 
 
 @pytest.mark.gpu
 def test_training_loss_parity_on_gpu():
-    cfg = zc.tiny(num_hidden_layers=1, hidden_size=256, num_attention_heads=8, num_key_value_heads=2,
-                  head_dim=128, vocab_size=960)
+    cfg = zc.tiny(num_hidden_layers=2, hidden_size=256, num_attention_heads=8, num_key_value_heads=2,
+                  head_dim=128, vocab_size=960, scan_layers=False)
     _train_parity(cfg, B=2, T=256, tol=2e-2)

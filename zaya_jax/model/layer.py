@@ -41,12 +41,22 @@ class DecoderLayer(nnx.Module):
         self.mlp = MoE(cfg, rngs)
         self.post_mlp_residual_scale = ResidualScaling(cfg)
 
-    def __call__(self, h, router_state, *, state_scale, positions, inv_freq, sliding_window=None,
-                 attention_mask=None, cca_state=None, attend=None, segment_ids=None, cca_exchange=None):
+    def __call__(self, h, router_state, **kw):
         """h: fp32 residual [B,T,D]. Returns (h, router_state, expert counts [E+1], CCA state at chunk end)."""
         cfg = self.cfg
+        x = norm_ops.rms_norm(h, self.input_layernorm.weight[...], cfg.rms_norm_eps, dtypes(cfg)[0],
+                              impl=cfg.norm_impl)
+        h, m, router_state, counts, cca_state = self.blocks(h, x, router_state, **kw)
+        return norm_ops.residual_merge_reference(m, h, *self.post_mlp_residual_scale.vectors()), router_state, \
+            counts, cca_state
+
+    def blocks(self, h, x, router_state, *, state_scale, positions, inv_freq, sliding_window=None,
+               attention_mask=None, cca_state=None, attend=None, segment_ids=None, cca_exchange=None):
+        """The layer short of its last residual merge, from h and x = input_layernorm(h): returns (h after the
+        attention block, the MoE output m, router_state, counts, cca_state). The unrolled model merges m into h
+        fused with the next norm (ZayaModel)."""
+        cfg = self.cfg
         dt, eps, impl = dtypes(cfg)[0], cfg.rms_norm_eps, cfg.norm_impl
-        x = norm_ops.rms_norm(h, self.input_layernorm.weight[...], eps, dt, impl=impl)
         a, cca_state = self.self_attn(x, positions=positions, inv_freq=inv_freq, sliding_window=sliding_window,
                                       attention_mask=attention_mask, state=cca_state, attend=attend,
                                       segment_ids=segment_ids, cca_exchange=cca_exchange)
@@ -54,5 +64,4 @@ class DecoderLayer(nnx.Module):
         h, x = norm_ops.merge_rms_norm(a, h, *self.post_attention_residual_scale.vectors(),
                                        self.post_attention_layernorm.weight[...], eps, dt, impl=impl)
         m, router_state, counts = self.mlp(x, router_state, state_scale, attention_mask)
-        h = norm_ops.residual_merge_reference(m, h, *self.post_mlp_residual_scale.vectors())
-        return h, router_state, counts, cca_state
+        return h, m, router_state, counts, cca_state

@@ -1,7 +1,8 @@
 """ZayaModel (embedding, input scaling, scanned decoder layers, final norm) and ZayaForCausalLM (tied head).
 
 Decoder layers are created with stacked parameters (leading axis = layer) and run under `jax.lax.scan` with a
-configurable remat policy, or unrolled (scan_layers=False; per-layer slices from model/layer_stack.py); per-layer
+configurable remat policy, or unrolled (scan_layers=False; per-layer slices from model/layer_stack.py, each layer's
+last residual merge fused with the next norm in one merge_rms_norm); per-layer
 differences (EDA scale, RoPE frequencies, sliding window) travel as scan inputs. The EDA router state and the fp32
 residual stream are the scan carry.
 """
@@ -9,6 +10,7 @@ residual stream are the scan carry.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -98,32 +100,46 @@ class ZayaModel(nnx.Module):
         uniform_window = cfg.sliding_window if set(cfg.layer_types) == {"hybrid_sliding"} else None
         graphdef, layer_state = nnx.split(self.layers)
 
+        def layer_kwargs(scale, freq, window):
+            window_arg = window if windows is not None and uniform_window is None else uniform_window
+            return dict(state_scale=scale, positions=positions, inv_freq=freq, sliding_window=window_arg,
+                        attention_mask=attention_mask, segment_ids=segment_ids, attend=attend,
+                        cca_exchange=cca_exchange)
+
         def body(carry, xs):
             h, r = carry
             params, scale, freq, window = xs
-            layer = nnx.merge(graphdef, params)
-            if windows is not None and uniform_window is None:
-                window_arg = window
-            else:
-                window_arg = uniform_window
-            h, r, counts, _ = layer(h, r, state_scale=scale, positions=positions, inv_freq=freq,
-                                    sliding_window=window_arg, attention_mask=attention_mask,
-                                    segment_ids=segment_ids, attend=attend, cca_exchange=cca_exchange)
+            h, r, counts, _ = nnx.merge(graphdef, params)(h, r, **layer_kwargs(scale, freq, window))
             return (h, r), counts
 
+        def unrolled_body(carry, xs):
+            """One layer whose last residual merge is fused with the next norm (the next layer's input norm, or
+            the final one): one pass over the fp32 residual instead of two, and the merge's backward in the
+            norm kernel instead of XLA's reductions."""
+            h, x, r = carry
+            params, scale, freq, window, next_norm = xs
+            layer = nnx.merge(graphdef, params)
+            h, m, r, counts, _ = layer.blocks(h, x, r, **layer_kwargs(scale, freq, window))
+            h, x = norm_ops.merge_rms_norm(m, h, *layer.post_mlp_residual_scale.vectors(), next_norm,
+                                           cfg.rms_norm_eps, dt, impl=cfg.norm_impl)
+            return (h, x, r), counts
+
         if cfg.remat != "none":
-            body = jax.checkpoint(body, policy=_REMAT[cfg.remat], prevent_cse=not cfg.scan_layers)
+            remat = functools.partial(jax.checkpoint, policy=_REMAT[cfg.remat], prevent_cse=not cfg.scan_layers)
+            body, unrolled_body = remat(body), remat(unrolled_body)
         xs = (layer_state, state_scale, inv_freq, windows)
         if cfg.scan_layers:
             (h, _), counts = jax.lax.scan(body, (h, router_state), xs)
-        else:
-            carry, counts = (h, router_state), []
-            for layer_xs in unstack_layers(xs, cfg.num_hidden_layers):
-                carry, c = body(carry, layer_xs)
-                counts.append(c)
-            h, counts = carry[0], jnp.stack(counts)
-        y = norm_ops.rms_norm(h, self.norm.weight[...], cfg.rms_norm_eps, dt, impl=cfg.norm_impl)
-        return y, ForwardAux(expert_counts=counts)
+            y = norm_ops.rms_norm(h, self.norm.weight[...], cfg.rms_norm_eps, dt, impl=cfg.norm_impl)
+            return y, ForwardAux(expert_counts=counts)
+        per_layer = unstack_layers(xs, cfg.num_hidden_layers)
+        input_norms = [nnx.merge(graphdef, layer_xs[0]).input_layernorm.weight[...] for layer_xs in per_layer]
+        x = norm_ops.rms_norm(h, input_norms[0], cfg.rms_norm_eps, dt, impl=cfg.norm_impl)
+        carry, counts = (h, x, router_state), []
+        for layer_xs, next_norm in zip(per_layer, input_norms[1:] + [self.norm.weight[...]]):
+            carry, c = unrolled_body(carry, (*layer_xs, next_norm))
+            counts.append(c)
+        return carry[1], ForwardAux(expert_counts=jnp.stack(counts))
 
     def forward_with_layer_state(self, input_ids, *, positions, cca_state, attend_state, attend,
                                  attention_mask=None):
