@@ -34,7 +34,7 @@ NEG = -1.0e30  # masked tail entries: exp(NEG - max) == 0 without inf arithmetic
 class XentLaunch:
     """Columns per loop step, warps per program (one program per row), and blocks loaded `prefetch` steps ahead
     (carried in registers: Triton does not pipeline loads of a loop without a dot). On the H200 (4096 x 262272
-    bf16, benchmarks/ce_h200.json) 4096 columns x 8 warps x 1 ahead runs at 0.86 of copy bandwidth; 4 warps 0.72-0.75,
+    bf16, benchmarks/ce_sweep_h200.json) 4096 columns x 8 warps x 1 ahead runs at 0.86 of copy bandwidth; 4 warps 0.72-0.75,
     2048 columns 0.73-0.79, 8192 columns 0.52-0.66."""
     block: int = 4096
     num_warps: int = 8

@@ -26,10 +26,10 @@ cut short still leaves numbers. Headline keys: tokens_per_s, hf_tokens_per_s, ra
 ratio_vs_hf_same_optimizer, ratio_vs_hf_accum16, ratio_labels, breakdown, accumulation,
 long_context, largest_batch.
 
-Measured with this version (benchmarks/train_h200.json, bench preset, batch 2 x 4096): main 204.4 ms = 40.1k
-tokens/s (fwd+bwd 79.7 ms, Muon + AdamW update 127.2 ms) vs HF + torch.compile 102.3 ms = 80.1k (fwd+bwd 94.2 ms);
-AdamW on both sides 1.12x HF; 64 microbatches through the trainer 99.7k against HF's derived 86.8k (1.15x), the
-update 3.0% of that step. Four versions back: main 384.7 ms = 21.3k, fwd+bwd 204 ms.
+Measured with this version (benchmarks/train_h200.json, bench preset, batch 2 x 4096): main 199.8 ms = 41.0k
+tokens/s (fwd+bwd 76.3 ms, Muon + AdamW update 123.9 ms) vs HF + torch.compile 101.6 ms = 80.6k; AdamW on both
+sides 1.14x HF; 64 microbatches through the trainer 102.9k against HF's derived 87.4k (1.18x), the update alone 2.4%
+of that step. Five versions back: main 384.7 ms = 21.3k, fwd+bwd 204 ms.
 """
 
 from __future__ import annotations

@@ -76,7 +76,8 @@ def summarize(report: dict) -> list[str]:
         report["accumulation"] = acc
         report["accumulation_note"] = ("ours: k microbatches measured as ONE compiled program; optimizer_share = "
                                        "1 - k x fwd_bwd / program time (the update, accumulation and balancing, "
-                                       "by difference). HF: DERIVED as k x fwd_bwd + one AdamW step, both measured "
+                                       "by difference); update_share = the Muon + AdamW update alone (opt_zaya) / "
+                                       "program time. HF: DERIVED as k x fwd_bwd + one AdamW step, both measured "
                                        "in bench_hf.py (faster HF variant)")
         if acc.get("accum16", {}).get("ratio_vs_hf_derived"):
             ratios["ratio_vs_hf_accum16"] = acc["accum16"]["ratio_vs_hf_derived"]
@@ -111,6 +112,7 @@ def breakdown(v: dict) -> dict:
 def accumulation(v: dict, hf: dict, tokens_per_microbatch: int) -> dict:
     out = {}
     fwd_bwd = v.get("fwd_bwd", {}).get("median_s")
+    update = v.get("opt_zaya", {}).get("median_s")
     for name, x in v.items():
         if x.get("kind") != "accum" or not x.get("tokens_per_s"):
             continue
@@ -119,6 +121,8 @@ def accumulation(v: dict, hf: dict, tokens_per_microbatch: int) -> dict:
                "program_ms": x["median_s"] * 1e3}
         if fwd_bwd:
             row["optimizer_share"] = 1 - k * fwd_bwd / x["median_s"]
+        if update and x.get("optimizer", "zaya") == "zaya":
+            row["update_share"] = update / x["median_s"]
         hf_name, hf_tps = best_hf(hf, lambda h, k=k: hf_accumulated_tokens_per_s(h, k, tokens_per_microbatch))
         if hf_tps:
             row.update(hf_variant=hf_name, hf_tokens_per_s_derived=hf_tps,
