@@ -61,7 +61,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     attention_impl: str = "xla"  # 'xla' | 'pallas' | 'cudnn'  (see zaya_jax/ops/attention.py)
     norm_impl: str = "xla"  # 'xla' | 'pallas'
-    ce_impl: str = "xla"  # 'xla' | 'pallas': the chunked head loss's softmax cross-entropy (zaya_jax/ops/cross_entropy.py)
+    ce_impl: str = "xla"  # 'xla' | 'pallas': softmax cross-entropy of the chunked head loss (ops/cross_entropy.py)
     moe_impl: str = "ragged"  # 'ragged' (sort + lax.ragged_dot) | 'pallas' (tile-padded grouped GEMM kernels)
     #                           | 'dense' (reference: every expert on every token)
     remat: str = "full"  # 'none' | 'full' | 'save_dots' | 'save_attention'  (activation checkpoint policy)
