@@ -6,18 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_pallas_rmsnorm import TOL, rel_err
 
 from pallas_kernels import softmax_xent as pk
 from zaya_jax.model.loss import chunked_head_cross_entropy
 from zaya_jax.ops.cross_entropy import softmax_xent, softmax_xent_reference
-
-TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
-
-
-def rel_err(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert np.all(np.isfinite(a)), "kernel produced non-finite values"
-    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
 
 
 def problem(seed, n, vocab, dtype):

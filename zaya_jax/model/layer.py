@@ -47,8 +47,8 @@ class DecoderLayer(nnx.Module):
         x = norm_ops.rms_norm(h, self.input_layernorm.weight[...], cfg.rms_norm_eps, dtypes(cfg)[0],
                               impl=cfg.norm_impl)
         h, m, router_state, counts, cca_state = self.blocks(h, x, router_state, **kw)
-        return norm_ops.residual_merge_reference(m, h, *self.post_mlp_residual_scale.vectors()), router_state, \
-            counts, cca_state
+        h = norm_ops.residual_merge_reference(m, h, *self.post_mlp_residual_scale.vectors())
+        return h, router_state, counts, cca_state
 
     def blocks(self, h, x, router_state, *, state_scale, positions, inv_freq, sliding_window=None,
                attention_mask=None, cca_state=None, attend=None, segment_ids=None, cca_exchange=None):

@@ -69,7 +69,7 @@ def build_fn(v: Variant, cfg, tx):
         return jax.jit(make_train_step(graphdef, tx, balancer, ce_chunk_tokens=v.ce_chunk), donate_argnums=0)
     if v.kind == "accum":  # the trainer's step: k microbatches scanned in one program, one update
         return jax.jit(make_accumulating_train_step(graphdef, tx, balancer, ce_chunk_tokens=v.ce_chunk,
-                                                    compute_dtype=cfg.dtype if v.hoist_casts else None),
+                                                    compute_dtype=cfg.dtype if v.cast_weights_once else None),
                        donate_argnums=0)
     loss_fn = make_loss_fn(graphdef, False, ce_chunk_tokens=v.ce_chunk)
     if v.kind == "fwd":

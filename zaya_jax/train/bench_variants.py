@@ -27,7 +27,7 @@ class Variant:
     search: str = ""  # name of the memory search this variant is a candidate of ('' = none)
     muon_gram_impl: str = "xla"
     scan_layers: bool = True
-    hoist_casts: bool = True  # kind 'accum': compute-dtype weights cast once per step (model/compute_view.py)
+    cast_weights_once: bool = True  # kind 'accum': train.cast_weights_once (model/compute_view.py)
     max_steps: int | None = None  # cap on timed calls (long programs)
     note: str = ""
 
@@ -131,7 +131,7 @@ def extra_variants(batch: int, seq: int, gpu: bool) -> list[Variant]:
         r(fwd_bwd, name="fwd_bwd_xla_norm", norm_impl="xla", note="fwd_bwd with XLA's norms"),
         r(fwd_bwd, name="fwd_bwd_xla_ce", ce_impl="xla", note="fwd_bwd with XLA's softmax cross-entropy"),
         r(fwd_bwd, name="fwd_bwd_ce8192", ce_chunk=8192, note="fwd_bwd, CE chunks of 8192 tokens"),
-        r(main, name="accum16_cast_per_micro", kind="accum", accum=16, max_steps=2, hoist_casts=False,
+        r(main, name="accum16_cast_per_micro", kind="accum", accum=16, max_steps=2, cast_weights_once=False,
           note="accum16 with the weights cast to bf16 in every microbatch (no compute_view)"),
     ]
 
