@@ -68,7 +68,7 @@ def breakdown(pd, op_names: dict, reps: int, gpu: bool, forward_only: bool) -> d
                     table[key] = table.get(key, 0) + d
     top = lambda dct, n: [[k[:200], round(t, 3)] for k, t in sorted(dct.items(), key=lambda kv: -kv[1])[:n]]
     return {"kernel_ms_per_step": total, "by_phase_ms": dict(top(by_phase, 10)), "by_class_ms": dict(top(by_class, 20)),
-            "top_ops_ms": top(by_op, 40), "top_kernels_ms": top(by_name, 25)}
+            "top_ops_ms": top(by_op, 60), "top_kernels_ms": top(by_name, 40)}
 
 
 def summary_line(name: str, prof: dict) -> str:
