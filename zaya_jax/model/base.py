@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from zaya_jax.config import ModelConfig
@@ -44,20 +43,6 @@ class Linear(nnx.Module):
         if self.bias is not None:
             y = (y.astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(dtype)
         return y
-
-
-def fused_linears(x, layers, dtype=None):
-    """[layer(x, dtype) for layer in layers] as one GEMM over the concatenated weights. Each output column is the
-    same fp32-accumulated dot product; the backward then makes one dgrad and one wgrad GEMM instead of one of each per
-    layer plus the sum of the dgrads (skinny GEMMs: CCA's k and v projections are 256 and 128 wide)."""
-    dtype = dtype or x.dtype
-    w = jnp.concatenate([layer.weight[...].astype(dtype) for layer in layers], axis=0)
-    y = compute_matmul("...i,oi->...o", x.astype(dtype), w)
-    ends = np.cumsum([layer.weight.shape[0] for layer in layers])
-    outs = jnp.split(y, ends[:-1], axis=-1)
-    return [out if layer.bias is None else
-            (out.astype(jnp.float32) + layer.bias[...].astype(jnp.float32)).astype(dtype)
-            for out, layer in zip(outs, layers)]
 
 
 class RMSNormWeight(nnx.Module):
