@@ -91,3 +91,17 @@ def test_kernel_on_the_gpu_at_the_zaya1_vocabulary(dtype):
     logits, targets, weights = problem(3, 64, 262272, dtype)
     check(jax.jit(lambda *a: softmax_xent(*a, "pallas"))(logits, targets, weights),
           jax.jit(softmax_xent_reference)(logits, targets, weights), dtype)
+
+
+def test_chunked_head_loss_value_is_the_same_with_and_without_gradients():
+    """The forward-only path and the differentiated path count fractionally weighted tokens alike."""
+    k = jax.random.split(jax.random.key(4), 4)
+    hidden = jax.random.normal(k[0], (30, 16), jnp.float32)
+    weight = 0.3 * jax.random.normal(k[1], (90, 16), jnp.float32)
+    targets = jax.random.randint(k[2], (30,), 0, 90)
+    mask = jax.random.uniform(k[3], (30,), minval=0.0, maxval=2.0) * (jnp.arange(30) % 4 != 0)
+
+    def f(h):
+        return chunked_head_cross_entropy(h, weight, targets, mask, chunk_tokens=8)[0]
+
+    np.testing.assert_allclose(f(hidden), jax.value_and_grad(f)(hidden)[0], rtol=1e-6)

@@ -11,7 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from zaya_jax.ops.cross_entropy import log_partition, softmax_xent
+from zaya_jax.ops.cross_entropy import softmax_xent, softmax_xent_loss
 
 IGNORE_INDEX = -100
 
@@ -75,15 +75,6 @@ def head_logits(h, w, bias=None):
             + bias.astype(jnp.float32)).astype(h.dtype)
 
 
-def _chunk_terms(logits, t, m):
-    """(summed CE terms, fp32 log-partition) of compute-dtype logits. The target logit is gathered before the
-    upcast, so that the upcast only feeds reductions XLA can fuse it into (a gather consumer can make it write the
-    whole fp32 chunk out)."""
-    log_z = log_partition(logits)
-    target_logit = jnp.take_along_axis(logits, t[:, None], axis=-1)[:, 0].astype(jnp.float32)
-    return jnp.where(m > 0, log_z - target_logit, 0.0).sum(), log_z
-
-
 def _zero_like_tokens(ms):
     """A 0.0 that carries the tokens' sharding type: inside shard_map the scan carries accumulate per-device
     (varying) values, so their initial values must be varying too."""
@@ -96,7 +87,8 @@ def _head_ce_sum(hidden, weight, bias, targets, mask, chunk_tokens):
 
     def body(total, xs):
         h, t, m = xs
-        return total + _chunk_terms(head_logits(h, w, bias), t, m)[0], None
+        # the same loss terms as the differentiated path's (_head_ce_fwd), without the gradient pass
+        return total + softmax_xent_loss(head_logits(h, w, bias), t, m).sum(), None
 
     return jax.lax.scan(body, _zero_like_tokens(ms), (hs, ts, ms))[0]
 

@@ -24,12 +24,22 @@ def log_partition(logits):
     return top + jnp.log(jnp.sum(jnp.exp(logits.astype(F32) - top[..., None]), axis=-1))
 
 
-def softmax_xent_reference(logits, targets, weights):
+def _loss_and_lse(logits, targets, weights):
     weights = weights.astype(F32)
     lse = log_partition(logits)
     # gathered before the upcast: a gather consumer of the fp32 logits can make XLA write them all out
     picked = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0].astype(F32)
-    loss = jnp.where(weights != 0, weights * (lse - picked), 0.0)
+    return jnp.where(weights != 0, weights * (lse - picked), 0.0), lse
+
+
+def softmax_xent_loss(logits, targets, weights):
+    """The loss [N] of softmax_xent alone (no gradient pass), for forward-only evaluation."""
+    return _loss_and_lse(logits, targets, weights)[0]
+
+
+def softmax_xent_reference(logits, targets, weights):
+    weights = weights.astype(F32)
+    loss, lse = _loss_and_lse(logits, targets, weights)
     probs = jnp.exp(logits.astype(F32) - lse[:, None])
     onehot = jax.nn.one_hot(targets, logits.shape[-1], dtype=F32)
     return loss, ((probs - onehot) * weights[:, None]).astype(logits.dtype)
