@@ -34,8 +34,12 @@ def get_config() -> ConfigDict:
         peak_tflops=0.0,  # per-device peak for MFU; 0 = look up the device kind
         ce_chunk_tokens=0,  # > 0: head + cross-entropy in token chunks (no [B, T, V] fp32 logits); 8192 at 262k vocab
         # with several microbatches per step, cast the weights read only in the compute dtype once per step (holds a
-        # compute-dtype copy of them, mostly the experts, through the step; zaya_jax/model/compute_view.py)
+        # compute-dtype copy of them, mostly the experts, through the step; zaya_jax/model/compute_view.py); with
+        # unrolled layers that copy is also sliced per layer once, and micro-gradients are summed per layer in place
         cast_weights_once=True,
+        # microbatches whose gradients are added to the fp32 sum in one pass (zaya_jax/train/step.py): fewer passes
+        # over the sum, for holding this many minus one gradients in the compute dtype
+        grads_per_pass=1,
         fault="",  # fault injection for drills/tests, e.g. "nan@12,hang@30" (zaya_jax/fault/inject.py)
     ))
     c.optim = ConfigDict(dict(learning_rate=3e-3, schedule="wsd", warmup_steps=20, total_steps=200,

@@ -2,9 +2,11 @@
   * every listed path names a leaf of the model's parameters (a stale path would silently cast nothing);
   * loss and gradients at the bf16 view equal those at the fp32 parameters (the cast's transpose upcasts the same
     bf16 cotangents), so the listed leaves have no fp32 use;
-  * the accumulating step with the view gives the same new state as without it, on one device and through the
-    trainer's shard_map gradients with ZeRO-1 on 4 emulated devices, and it casts the experts' weights before the
-    microbatch loop, not in it."""
+  * the per-layer view (unrolled layers) gives the same loss and, restacked, the same gradients;
+  * the accumulating step with the view (stacked, or per layer for unrolled layers) gives the same new state as
+    without it, on one device and through the trainer's shard_map gradients with ZeRO-1 on 4 emulated devices; it
+    casts the experts' weights before the microbatch loop, not in it, and the per-layer view also slices them
+    there."""
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +21,7 @@ from zaya_jax.config import preset
 from zaya_jax.model import ZayaForCausalLM
 from zaya_jax.model.compute_view import COMPUTE_DTYPE_LEAVES, compute_view
 from zaya_jax.model.base import BalancingBias
+from zaya_jax.model.layer_stack import LayerSlices, stack_layer_slices
 from zaya_jax.optim.optimizer import build_optimizer
 from zaya_jax.parallel.data_parallel import sharded_value_and_grad
 from zaya_jax.parallel.mesh import make_mesh
@@ -27,8 +30,8 @@ from zaya_jax.train.loop import init_state
 from zaya_jax.train.step import make_accumulating_train_step, make_local_loss_sums, make_loss_fn
 
 
-def bf16_config():
-    return preset("tiny", dtype="bfloat16", num_hidden_layers=2, remat="none")
+def bf16_config(scan_layers=True):
+    return preset("tiny", dtype="bfloat16", num_hidden_layers=2, remat="none", scan_layers=scan_layers)
 
 
 def leaf_at(tree, path):
@@ -50,24 +53,35 @@ def test_every_listed_leaf_exists_and_is_cast():
     assert leaf_at(view, ("model", "embed_tokens", "weight")).dtype == jnp.float32  # the lookup reads it in fp32
 
 
-@pytest.mark.parametrize("ce_chunk", [None, 16], ids=["full_logits", "chunked_ce"])
-def test_loss_and_gradients_at_the_view_equal_those_at_the_parameters(ce_chunk):
-    cfg = bf16_config()
-    graphdef, params, model_state = nnx.split(ZayaForCausalLM(cfg, seed=3), nnx.Param, BalancingBias)
-    params, model_state = nnx.to_pure_dict(params), nnx.to_pure_dict(model_state)
-    batch = {k: v[0] for k, v in stacked_batches(cfg, seed=1).items()}
-    grad = jax.jit(jax.value_and_grad(make_loss_fn(graphdef, False, ce_chunk_tokens=ce_chunk), has_aux=True))
-    (loss, counts), want = grad(params, model_state, batch)
-    (loss_v, counts_v), got = grad(compute_view(params, cfg.dtype), model_state, batch)
-    np.testing.assert_array_equal(np.asarray(loss_v), np.asarray(loss))
-    np.testing.assert_array_equal(np.asarray(counts_v), np.asarray(counts))
+def assert_same_grads(got, want):
     for path, g, w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w), rtol=1e-6, atol=1e-9,
                                    err_msg=jax.tree_util.keystr(path[0]))
 
 
-def accumulating_step(devices: int, compute_dtype):
-    cfg = bf16_config()
+@pytest.mark.parametrize("ce_chunk", [None, 16], ids=["full_logits", "chunked_ce"])
+@pytest.mark.parametrize("per_layer", [False, True], ids=["stacked", "per_layer"])
+def test_loss_and_gradients_at_the_view_equal_those_at_the_parameters(ce_chunk, per_layer):
+    cfg = bf16_config(scan_layers=not per_layer)
+    graphdef, params, model_state = nnx.split(ZayaForCausalLM(cfg, seed=3), nnx.Param, BalancingBias)
+    params, model_state = nnx.to_pure_dict(params), nnx.to_pure_dict(model_state)
+    batch = {k: v[0] for k, v in stacked_batches(cfg, seed=1).items()}
+    grad = jax.jit(jax.value_and_grad(make_loss_fn(graphdef, False, ce_chunk_tokens=ce_chunk), has_aux=True))
+    (loss, counts), want = grad(params, model_state, batch)
+    view = compute_view(params, cfg.dtype, per_layer=per_layer)
+    if per_layer:
+        experts = leaf_at(view, ("model", "layers", "mlp", "experts", "down_proj"))
+        assert isinstance(experts, LayerSlices) and len(experts.slices) == cfg.num_hidden_layers
+        assert experts.dtype == jnp.bfloat16
+    (loss_v, counts_v), got = grad(view, model_state, batch)
+    np.testing.assert_array_equal(np.asarray(loss_v), np.asarray(loss))
+    np.testing.assert_array_equal(np.asarray(counts_v), np.asarray(counts))
+    assert jax.tree.structure(stack_layer_slices(got)) == jax.tree.structure(want)
+    assert_same_grads(stack_layer_slices(got), want)
+
+
+def accumulating_step(devices: int, compute_dtype, *, unrolled: bool = False, per_layer: bool = False):
+    cfg = bf16_config(scan_layers=not unrolled)
     mesh = make_mesh(num_devices=devices)
     tx = build_optimizer(OPTIM, log=None)
     tx = tx if devices == 1 else zero1(tx, mesh)
@@ -75,22 +89,23 @@ def accumulating_step(devices: int, compute_dtype):
     grad_fn = None
     if devices > 1:
         grad_fn = sharded_value_and_grad(make_local_loss_sums(graphdef, False), mesh, zero1_spec_fn(mesh))
-    step = make_accumulating_train_step(graphdef, tx, BALANCER, grad_fn=grad_fn, compute_dtype=compute_dtype)
+    step = make_accumulating_train_step(graphdef, tx, BALANCER, grad_fn=grad_fn, compute_dtype=compute_dtype,
+                                        per_layer_view=per_layer)
     batches = jax.device_put(stacked_batches(cfg), NamedSharding(mesh, P(None, "data")))
     compiled = jax.jit(step, out_shardings=(jax.tree.map(lambda x: x.sharding, state), NamedSharding(mesh, P()))
                        ).lower(state, batches).compile()
     return (compiled, step), state, batches
 
 
-def casts_of(step, state, batches, shapes) -> list[bool]:
-    """For each fp32 -> bf16 cast of an array of one of `shapes` in the step's jaxpr: whether it sits inside the
-    microbatch loop (the step's top-level scan)."""
+def ops_on(step, state, batches, primitives, in_dtype, out_dtype, shapes) -> list[bool]:
+    """For each equation of one of `primitives` in the step's jaxpr taking an `in_dtype` array of one of `shapes` to
+    an `out_dtype` one: whether it sits inside the microbatch loop (the step's top-level scan)."""
     found = []
 
     def walk(jaxpr, inside):
         for eqn in jaxpr.eqns:
-            if (eqn.primitive.name == "convert_element_type" and eqn.outvars[0].aval.dtype == jnp.bfloat16
-                    and eqn.invars[0].aval.dtype == jnp.float32 and eqn.invars[0].aval.shape in shapes):
+            if (eqn.primitive.name in primitives and eqn.outvars[0].aval.dtype == out_dtype
+                    and eqn.invars[0].aval.dtype == in_dtype and eqn.invars[0].aval.shape in shapes):
                 found.append(inside)
             for value in eqn.params.values():
                 for sub in value if isinstance(value, (tuple, list)) else (value,):
@@ -103,15 +118,28 @@ def casts_of(step, state, batches, shapes) -> list[bool]:
     return found
 
 
+SLICING = ("slice", "dynamic_slice", "gather", "squeeze")
+
+
 @pytest.mark.parametrize("devices", [1, 4], ids=["one_device", "zero1_4_devices"])
-def test_the_accumulating_step_with_the_view_matches_the_step_without(devices):
-    (with_view, step_view), state, batches = accumulating_step(devices, "bfloat16")
-    (without, step_plain), _, _ = accumulating_step(devices, None)
+@pytest.mark.parametrize("per_layer", [False, True], ids=["stacked", "per_layer"])
+def test_the_accumulating_step_with_the_view_matches_the_step_without(devices, per_layer):
+    (with_view, step_view), state, batches = accumulating_step(devices, "bfloat16", unrolled=per_layer,
+                                                               per_layer=per_layer)
+    (without, step_plain), _, _ = accumulating_step(devices, None, unrolled=per_layer)
     # the experts' weights ([E, out, in] per layer) are cast before the microbatch loop, not in it
-    experts = {x.shape[1:] for x in jax.tree.leaves(leaf_at(state["params"], ("model", "layers", "mlp", "experts")))}
-    assert any(casts_of(step_plain, state, batches, experts)), "control: without the view the loop casts them"
-    view_casts = casts_of(step_view, state, batches, experts | {(2,) + s for s in experts})
+    experts = {x.shape for x in jax.tree.leaves(leaf_at(state["params"], ("model", "layers", "mlp", "experts")))}
+    layer_shapes = {s[1:] for s in experts}
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    convert = ("convert_element_type",)
+    assert any(ops_on(step_plain, state, batches, convert, f32, bf16, layer_shapes)), "control: the loop casts them"
+    view_casts = ops_on(step_view, state, batches, convert, f32, bf16, experts | layer_shapes)
     assert view_casts and not any(view_casts)
+    if per_layer:  # and sliced there: the loop never indexes stacked experts but for the accumulator's rows
+        (_, step_stacked), _, _ = accumulating_step(devices, "bfloat16", unrolled=True)
+        assert any(ops_on(step_stacked, state, batches, SLICING, bf16, bf16, experts)), "control: stacked view"
+        assert not ops_on(step_view, state, batches, SLICING, bf16, bf16, experts)
+        assert not all(ops_on(step_view, state, batches, SLICING, f32, f32, experts)), "sliced before the loop"
     got, got_metrics = jax.device_get(with_view(state, batches))
     want, want_metrics = jax.device_get(without(state, batches))
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):

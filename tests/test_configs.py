@@ -34,6 +34,10 @@ def test_bad_batch_arithmetic_is_named():
     c.train.microbatch_tokens = 1000
     with pytest.raises(TrainConfigError, match="microbatch_tokens=1000 is not a multiple of data.seq_len=128"):
         make_plan(c)
+    c = importlib.import_module("configs.default").get_config()
+    c.train.grads_per_pass = 0
+    with pytest.raises(TrainConfigError, match="train.grads_per_pass=0 must be >= 1"):
+        make_plan(c)
 
 
 def test_batch_ramp_in_tokens():

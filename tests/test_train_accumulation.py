@@ -2,7 +2,8 @@
 make_accumulating_train_step), on one device and through the trainer's shard_map gradients with ZeRO-1 on 4
 emulated devices (tests/conftest.py):
   * the step equals a straightforward reference: k separate microbatch gradients, the balancing biases updated
-    after each microbatch (the next one routes with them), the mean gradient, one optimizer update;
+    after each microbatch (the next one routes with them), the mean gradient, one optimizer update; also with the
+    gradients of k microbatches added in one pass and the unrolled layers' per-layer view;
   * the optimizer update runs once per call, and the compiled program copies no parameter-sized buffer on a
     microbatch (the scan carries the fp32 gradient sum in place; parameters are loop invariants);
 and, through the trainer, a batch ramp (k = 1, 2, 2) trains and resumes mid-ramp at the right microbatch."""
@@ -42,15 +43,15 @@ BALANCER = BalancerConfig(learning_rate=0.05)
 OPTIM = OptimizerConfig(learning_rate=1e-2, schedule="constant", muon_ns_dtype="float32")
 
 
-def model_config():
-    return preset("tiny", dtype="float32", num_hidden_layers=2, remat="none")
+def model_config(scan_layers=True):
+    return preset("tiny", dtype="float32", num_hidden_layers=2, remat="none", scan_layers=scan_layers)
 
 
-def stacked_batches(cfg, seed=0):
+def stacked_batches(cfg, seed=0, k=K):
     rng = np.random.default_rng(seed)
-    ids = rng.integers(3, cfg.vocab_size, (K, ROWS, SEQ + 1), dtype=np.int32)
-    return {"inputs": ids[..., :-1], "targets": ids[..., 1:], "loss_mask": np.ones((K, ROWS, SEQ), np.float32),
-            "source_ids": np.zeros((K, ROWS), np.int32)}
+    ids = rng.integers(3, cfg.vocab_size, (k, ROWS, SEQ + 1), dtype=np.int32)
+    return {"inputs": ids[..., :-1], "targets": ids[..., 1:], "loss_mask": np.ones((k, ROWS, SEQ), np.float32),
+            "source_ids": np.zeros((k, ROWS), np.int32)}
 
 
 def counting(tx, calls):
@@ -61,10 +62,11 @@ def counting(tx, calls):
     return optax.GradientTransformation(tx.init, update)
 
 
-def accumulating_program(devices: int, calls: list):
+def accumulating_program(devices: int, calls: list, k: int = K, grads_per_pass: int = 1, unrolled: bool = False):
     """(compiled step, initial state, stacked batches on the devices, graphdef) for one device (value_and_grad)
-    or `devices` emulated ones (the trainer's shard_map gradients, ZeRO-1 optimizer state)."""
-    cfg = model_config()
+    or `devices` emulated ones (the trainer's shard_map gradients, ZeRO-1 optimizer state); unrolled: the layers
+    unrolled, with the per-layer view (model/compute_view.py)."""
+    cfg = model_config(scan_layers=not unrolled)
     mesh = make_mesh(num_devices=devices)
     tx = counting(build_optimizer(OPTIM, log=None) if devices == 1 else zero1(build_optimizer(OPTIM, log=None), mesh),
                   calls)
@@ -72,8 +74,9 @@ def accumulating_program(devices: int, calls: list):
     grad_fn = None
     if devices > 1:
         grad_fn = sharded_value_and_grad(make_local_loss_sums(graphdef, False), mesh, zero1_spec_fn(mesh))
-    step = make_accumulating_train_step(graphdef, tx, BALANCER, grad_fn=grad_fn)
-    batches = jax.device_put(stacked_batches(cfg), NamedSharding(mesh, P(None, "data")))
+    step = make_accumulating_train_step(graphdef, tx, BALANCER, grad_fn=grad_fn, grads_per_pass=grads_per_pass,
+                                        per_layer_view=unrolled)
+    batches = jax.device_put(stacked_batches(cfg, k=k), NamedSharding(mesh, P(None, "data")))
     out = (jax.tree.map(lambda x: x.sharding, state), NamedSharding(mesh, P()))
     compiled = jax.jit(step, donate_argnums=0, out_shardings=out).lower(state, batches).compile()
     return compiled, state, batches, graphdef
@@ -94,31 +97,39 @@ def reference_step(fns, state, batches, *, refresh_biases=True):
     state = jax.device_get(state)
     batches = jax.device_get(batches)
     model_state, balancer, grads, losses = state["model_state"], state["balancer"], [], []
-    for i in range(K):
+    k = len(batches["inputs"])
+    for i in range(k):
         routed_with = model_state if refresh_biases else state["model_state"]
         (loss, counts), g = grad(state["params"], routed_with, {name: x[i] for name, x in batches.items()})
         biases, balancer, _ = update_biases(get_biases(model_state), balancer, counts, BALANCER)
         model_state = with_biases(model_state, biases)
         grads.append(g)
         losses.append(loss)
-    mean = jax.tree.map(lambda *g: sum(g) / K, *grads)
+    mean = jax.tree.map(lambda *g: sum(g) / k, *grads)
     updates, opt_state = update(mean, state["opt_state"], state["params"])
     new = {"step": state["step"] + 1, "params": optax.apply_updates(state["params"], updates),
            "opt_state": opt_state, "model_state": model_state, "balancer": balancer}
-    return new, {"loss": sum(losses) / K, "grad_norm": optax.tree.norm(mean)}
+    return new, {"loss": sum(losses) / k, "grad_norm": optax.tree.norm(mean)}
 
 
-@pytest.fixture(scope="module", params=[1, 4], ids=["one_device", "zero1_4_devices"])
+# (devices, microbatches, their gradients per accumulation pass, unrolled layers with the per-layer view)
+PROGRAMS = {"one_device": (1, K, 1, False), "zero1_4_devices": (4, K, 1, False),
+            "one_device_grouped_per_layer": (1, 4, 2, True)}
+
+
+@pytest.fixture(scope="module", params=list(PROGRAMS))
 def program(request):
     calls = []
-    compiled, state, batches, graphdef = accumulating_program(request.param, calls)
+    devices, k, grads_per_pass, unrolled = PROGRAMS[request.param]
+    compiled, state, batches, graphdef = accumulating_program(devices, calls, k, grads_per_pass, unrolled)
     fns = reference_fns(graphdef)
     want, want_metrics = reference_step(fns, state, batches)
     stale, _ = reference_step(fns, state, batches, refresh_biases=False)
     got, metrics = compiled(state, batches)  # donates `state`
     jax.effects_barrier()
     return {"compiled": compiled, "got": jax.device_get(got), "metrics": jax.device_get(metrics), "want": want,
-            "want_metrics": want_metrics, "stale": stale, "calls": calls, "devices": request.param}
+            "want_metrics": want_metrics, "stale": stale, "calls": calls, "devices": devices,
+            "k": k, "grads_per_pass": grads_per_pass}
 
 
 def max_abs_diff(a, b):
@@ -137,7 +148,7 @@ def test_accumulated_step_equals_micro_gradients_averaged_then_one_update(progra
     for key in ("loss", "grad_norm"):
         np.testing.assert_allclose(program["metrics"][key], program["want_metrics"][key], rtol=1e-5)
     # the controller ran on every microbatch, and routing with stale biases would have been caught above
-    assert np.all(np.asarray(got["balancer"].count) == K)
+    assert np.all(np.asarray(got["balancer"].count) == program["k"])
     stale = max_abs_diff(program["stale"]["params"], want["params"])
     print(f"\nlargest parameter change from routing with stale biases: {stale:.2e}")
     assert stale > 10 * atol
@@ -187,7 +198,7 @@ def data_copy_bytes(lines: list[str]) -> int:
 
 def test_the_microbatch_loop_copies_no_parameter_sized_buffer(program):
     body, trips = microbatch_loop_body(program["compiled"].as_text())
-    assert trips == K
+    assert trips == program["k"] // program["grads_per_pass"]
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(program["want"]["params"]))
     # a copy of the fp32 gradient sum or of the parameters would be 100% (a ZeRO-1 shard of the sum 1/devices);
     # what is left is the controller's [layers, experts] state passing through the carry (bytes, not kilobytes)

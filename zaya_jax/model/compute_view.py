@@ -15,9 +15,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from zaya_jax.model.layer_stack import LayerSlices
+
 # Paths in the parameter tree (ZayaForCausalLM's nnx.to_pure_dict) of leaves read only through a cast to the
 # compute dtype. Linear biases are excluded: they are added in fp32.
-COMPUTE_DTYPE_LEAVES = tuple(("model", "layers") + p for p in (
+LAYERS = ("model", "layers")  # the stacked [L, ...] layer parameters
+COMPUTE_DTYPE_LEAVES = tuple(LAYERS + p for p in (
     ("mlp", "experts", "gate_up_proj"),
     ("mlp", "experts", "down_proj"),
     ("self_attn", "qkv_proj", "q_proj", "weight"),
@@ -33,15 +36,19 @@ def _key(entry) -> str:
     return str(getattr(entry, "key", getattr(entry, "name", entry)))
 
 
-def compute_view(params, compute_dtype):
-    """params with the COMPUTE_DTYPE_LEAVES cast to compute_dtype (others unchanged). A no-op tree when the
-    compute dtype is the parameters' own."""
-    dtype = jnp.dtype(compute_dtype)
+def compute_view(params, compute_dtype=None, *, per_layer: bool = False):
+    """params with the COMPUTE_DTYPE_LEAVES cast to compute_dtype (None: no cast; others unchanged). per_layer (the
+    unrolled model, scan_layers=False): also hold every stacked layer leaf as its per-layer arrays (LayerSlices),
+    sliced here once instead of in every microbatch's forward, with per-layer gradients (no restacking pass in every
+    backward). A no-op tree when nothing is cast and per_layer is off."""
+    dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
     wanted = set(COMPUTE_DTYPE_LEAVES)
 
-    def cast(path, leaf):
-        if tuple(_key(e) for e in path) in wanted and jnp.issubdtype(leaf.dtype, jnp.floating):
-            return leaf.astype(dtype)
-        return leaf
+    def view(path, leaf):
+        keys = tuple(_key(e) for e in path)
+        cast = dtype is not None and keys in wanted and jnp.issubdtype(leaf.dtype, jnp.floating)
+        if per_layer and keys[:2] == LAYERS and jnp.issubdtype(leaf.dtype, jnp.inexact):
+            return LayerSlices(leaf[i].astype(dtype) if cast else leaf[i] for i in range(leaf.shape[0]))
+        return leaf.astype(dtype) if cast else leaf
 
-    return jax.tree_util.tree_map_with_path(cast, params)
+    return jax.tree_util.tree_map_with_path(view, params)

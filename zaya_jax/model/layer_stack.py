@@ -31,11 +31,46 @@ _unstack.defvjp(_unstack_fwd, _unstack_bwd)
 
 def unstack_layers(tree, n_layers: int) -> list:
     """tree of [n_layers, ...] leaves -> a list of n_layers trees of the per-layer slices (None leaves stay None).
-    Inexact leaves go through the stacking VJP; integer ones (no gradient) are plainly indexed."""
-    leaves, treedef = jax.tree.flatten(tree)
+    Inexact leaves go through the stacking VJP; integer ones (no gradient) are plainly indexed; LayerSlices (already
+    sliced) give their slices, and their gradients stay per layer."""
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=is_layer_slices)
     for leaf in leaves:
         if leaf.shape[:1] != (n_layers,):
             raise ValueError(f"unstack_layers: every leaf needs a leading layer axis of {n_layers}, got {leaf.shape}")
-    per_leaf = [_unstack(x) if jnp.issubdtype(x.dtype, jnp.inexact) else tuple(x[i] for i in range(n_layers))
-                for x in leaves]
+    per_leaf = [x.slices if is_layer_slices(x) else _unstack(x) if jnp.issubdtype(x.dtype, jnp.inexact)
+                else tuple(x[i] for i in range(n_layers)) for x in leaves]
     return [jax.tree.unflatten(treedef, [slices[i] for slices in per_leaf]) for i in range(n_layers)]
+
+
+@jax.tree_util.register_pytree_node_class
+class LayerSlices:
+    """A stacked [L, ...] parameter held as its L per-layer arrays: what `unstack_layers` would slice, sliced once
+    (model/compute_view.py does it once per optimizer step, outside the microbatch loop). Its gradient comes back as a
+    LayerSlices of the per-layer gradients; `stack_layer_slices` restacks a tree of them."""
+
+    def __init__(self, slices):
+        self.slices = tuple(slices)
+
+    def tree_flatten(self):
+        return self.slices, None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(children)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.slices),) + tuple(self.slices[0].shape)
+
+    @property
+    def dtype(self):
+        return self.slices[0].dtype
+
+
+def is_layer_slices(x) -> bool:
+    return isinstance(x, LayerSlices)
+
+
+def stack_layer_slices(tree):
+    """tree with every LayerSlices replaced by its stacked [L, ...] array."""
+    return jax.tree.map(lambda x: jnp.stack(x.slices) if is_layer_slices(x) else x, tree, is_leaf=is_layer_slices)

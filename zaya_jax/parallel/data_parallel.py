@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from zaya_jax.model.layer_stack import is_layer_slices, stack_layer_slices
 from zaya_jax.parallel.collectives import (
     LOCAL,
     NODE,
@@ -75,7 +76,8 @@ def sharded_value_and_grad(local_sums, mesh, grad_spec_of, *, zigzag: Zigzag | N
         if zigzag is not None:
             batch = {k: to_layout(v, zigzag) if v.ndim == 2 else v for k, v in batch.items()}
         specs = {k: seq_spec if v.ndim == 2 else row_spec for k, v in batch.items()}
-        grad_specs = jax.tree.map(lambda p: _on_view(grad_spec_of(p.shape)), params)
+        # a per-layer view's leaves (LayerSlices) are reduced restacked, in the layout of the stacked parameter
+        grad_specs = jax.tree.map(lambda p: _on_view(grad_spec_of(p.shape)), params, is_leaf=is_layer_slices)
 
         def body(params, model_state, batch):
             mine = jax.tree.map(lambda p: lax.pcast(p, ALL, to="varying"), params)  # its gradient stays local
@@ -85,6 +87,7 @@ def sharded_value_and_grad(local_sums, mesh, grad_spec_of, *, zigzag: Zigzag | N
                 return total, (counted, counts)
 
             (total, (counted, counts)), grads = jax.value_and_grad(local, has_aux=True)(mine)
+            grads = stack_layer_slices(grads)
             counted = jnp.maximum(lax.psum(counted, ALL), 1.0)
             # fp32 before the reduction: leaves of a compute-dtype view (model/compute_view.py) come back in bf16
             grads = jax.tree.map(lambda g, s: _reduce(g.astype(jnp.promote_types(g.dtype, jnp.float32)) / counted,

@@ -69,7 +69,10 @@ def build_fn(v: Variant, cfg, tx):
         return jax.jit(make_train_step(graphdef, tx, balancer, ce_chunk_tokens=v.ce_chunk), donate_argnums=0)
     if v.kind == "accum":  # the trainer's step: k microbatches scanned in one program, one update
         return jax.jit(make_accumulating_train_step(graphdef, tx, balancer, ce_chunk_tokens=v.ce_chunk,
-                                                    compute_dtype=cfg.dtype if v.cast_weights_once else None),
+                                                    compute_dtype=cfg.dtype if v.cast_weights_once else None,
+                                                    per_layer_view=v.cast_weights_once and v.per_layer_view
+                                                    and not cfg.scan_layers,
+                                                    grads_per_pass=v.grads_per_pass),
                        donate_argnums=0)
     loss_fn = make_loss_fn(graphdef, False, ce_chunk_tokens=v.ce_chunk)
     if v.kind == "fwd":

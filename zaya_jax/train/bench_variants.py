@@ -28,6 +28,8 @@ class Variant:
     muon_gram_impl: str = "xla"
     scan_layers: bool = True
     cast_weights_once: bool = True  # kind 'accum': train.cast_weights_once (model/compute_view.py)
+    per_layer_view: bool = True  # kind 'accum', unrolled layers: the view sliced per layer once per step
+    grads_per_pass: int = 1  # kind 'accum': microbatch gradients added to the fp32 sum in one pass (train option)
     max_steps: int | None = None  # cap on timed calls (long programs)
     note: str = ""
 
@@ -133,6 +135,12 @@ def extra_variants(batch: int, seq: int, gpu: bool) -> list[Variant]:
         r(fwd_bwd, name="fwd_bwd_ce8192", ce_chunk=8192, note="fwd_bwd, CE chunks of 8192 tokens"),
         r(main, name="accum16_cast_per_micro", kind="accum", accum=16, max_steps=2, cast_weights_once=False,
           note="accum16 with the weights cast to bf16 in every microbatch (no compute_view)"),
+        r(main, name="accum16_stacked_view", kind="accum", accum=16, max_steps=2, per_layer_view=False,
+          note="accum16 with the view stacked: the layer weights sliced in every microbatch, their gradients "
+               "restacked"),
+        *(r(main, name=f"accum16_grads_per_pass{m}", kind="accum", accum=16, max_steps=2, grads_per_pass=m,
+            note=f"accum16 with the gradients of {m} microbatches added to the fp32 sum in one pass")
+          for m in (2, 4)),
     ]
 
 

@@ -76,6 +76,9 @@ def make_plan(config: ConfigDict) -> Plan:
     if t.global_batch_tokens % t.microbatch_tokens:
         raise TrainConfigError(f"train.global_batch_tokens={t.global_batch_tokens} is not a multiple of "
                                f"train.microbatch_tokens={t.microbatch_tokens}")
+    if int(t.get("grads_per_pass", 1)) < 1:
+        raise TrainConfigError(f"train.grads_per_pass={t.grads_per_pass} must be >= 1 (microbatch gradients added to "
+                               "the fp32 sum in one pass)")
     accumulation = t.global_batch_tokens // t.microbatch_tokens
     return Plan(cfg, seq, t.microbatch_tokens // seq, accumulation, t.steps,
                 batch_ramp(t.get("batch_ramp", {}), t.microbatch_tokens, accumulation))
@@ -231,7 +234,9 @@ def run(config: ConfigDict, workdir: str, *, log=print) -> dict:
     # each ramp value compiles once and the full batch's program serves every step after the ramp.
     step_fn = jax.jit(make_accumulating_train_step(s.graphdef, s.tx, BalancerConfig(**dict(config.balancing)),
                                                    reset_at_documents=reset, ce_chunk_tokens=ce_chunk,
-                                                   grad_fn=grad_fn, compute_dtype=view_dtype),
+                                                   grad_fn=grad_fn, compute_dtype=view_dtype,
+                                                   per_layer_view=view_dtype is not None and not cfg.scan_layers,
+                                                   grads_per_pass=int(config.train.get("grads_per_pass", 1))),
                       donate_argnums=0,
                       out_shardings=(jax.tree.map(lambda x: x.sharding, state), NamedSharding(mesh, P())),
                       compiler_options=combine_threshold_options(s.parallel.bucket_bytes))

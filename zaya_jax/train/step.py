@@ -20,6 +20,7 @@ import optax
 from flax import nnx
 
 from zaya_jax.model.compute_view import compute_view
+from zaya_jax.model.layer_stack import stack_layer_slices
 from zaya_jax.model.loss import chunked_head_cross_entropy, token_cross_entropy_terms
 from zaya_jax.optim.balancing import BalancerConfig, update_biases
 from zaya_jax.parallel.context import ContextParallel
@@ -98,18 +99,40 @@ def make_local_loss_sums(graphdef, reset_at_documents: bool, cp: ContextParallel
     return local_sums
 
 
+def _accumulate(total, *grads):
+    """total + grads[0] + grads[1] + ... in fp32, in that order: one pass over the sum for all of them."""
+    for g in grads:
+        total = total + g.astype(jnp.float32)
+    return total
+
+
+def _group_size(k: int, wanted: int) -> int:
+    """The largest divisor of k that is at most `wanted` (microbatches per accumulation pass)."""
+    return max(m for m in range(1, max(1, min(wanted, k)) + 1) if k % m == 0)
+
+
 def make_accumulating_train_step(graphdef, tx: optax.GradientTransformation, balancer: BalancerConfig, *,
                                  reset_at_documents: bool = False, ce_chunk_tokens: int | None = None, grad_fn=None,
-                                 compute_dtype=None):
+                                 compute_dtype=None, per_layer_view: bool = False, grads_per_pass: int = 1):
     """train_step(state, batches) -> (state, metrics): one optimizer step over the k microbatches of `batches`
     (every field [k, rows, ...]; k is static, so each k compiles its own program). grad_fn(params, model_state,
     batch) -> ((loss, expert counts), grads) replaces value_and_grad of the model loss (data/context parallelism in
     shard_map plugs in here: zaya_jax/parallel/data_parallel.py). compute_dtype: with k > 1, the weights the model
     reads only in this dtype are cast once before the microbatch loop instead of once per microbatch
     (model/compute_view.py; their micro-gradients then come in that dtype and are summed in fp32, the same values).
+    per_layer_view (unrolled layers only, scan_layers=False): with k > 1, the stacked layer parameters are also sliced
+    per layer once before the loop, and (with the default grad_fn; a given one returns stacked gradients) the fp32
+    sum is kept per layer and stacked once after it: no per-microbatch slicing of the weights nor restacking of their
+    gradients (the same values).
+    grads_per_pass: each loop iteration runs this many microbatches (the largest divisor of k up to it) and adds
+    their gradients into the fp32 sum in one pass, in microbatch order (the same sums): one read and write of the
+    sum per group instead of per microbatch, for holding that many gradients minus one in the compute dtype.
 
     Metrics: loss and the load figures are means over the microbatches (each microbatch's loss is its token mean,
     its load figures the extremes over layers); grad_norm is the norm of the mean gradient the optimizer gets."""
+    if grads_per_pass < 1:
+        raise ValueError(f"grads_per_pass={grads_per_pass} must be >= 1")
+    custom_grad_fn = grad_fn is not None
     grad_fn = grad_fn or jax.value_and_grad(make_loss_fn(graphdef, reset_at_documents,
                                                          ce_chunk_tokens=ce_chunk_tokens), has_aux=True)
 
@@ -130,18 +153,29 @@ def make_accumulating_train_step(graphdef, tx: optax.GradientTransformation, bal
             grads, model_state, balancer_state, metrics = microbatch(
                 params, state["model_state"], state["balancer"], jax.tree.map(lambda x: x[0], batches))
         else:
-            view = params if compute_dtype is None else compute_view(params, compute_dtype)
+            view = params
+            if compute_dtype is not None or per_layer_view:
+                view = compute_view(params, compute_dtype, per_layer=per_layer_view)
 
-            def body(carry, batch):
+            m = _group_size(k, grads_per_pass)
+
+            def body(carry, group):
                 total, model_state, balancer_state = carry
-                grads, model_state, balancer_state, metrics = microbatch(view, model_state, balancer_state, batch)
-                total = jax.tree.map(lambda t, g: t + g.astype(jnp.float32), total, grads)
-                return (total, model_state, balancer_state), metrics
+                group_grads, group_metrics = [], []
+                for j in range(m):
+                    grads, model_state, balancer_state, metrics = microbatch(
+                        view, model_state, balancer_state, jax.tree.map(lambda x: x[j], group))
+                    group_grads.append(grads)
+                    group_metrics.append(metrics)
+                total = jax.tree.map(_accumulate, total, *group_grads)
+                return (total, model_state, balancer_state), jax.tree.map(lambda *v: jnp.stack(v), *group_metrics)
 
-            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+            # the gradients' structure: per layer from value_and_grad at a per-layer view, stacked from a grad_fn
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params if custom_grad_fn else view)
+            groups = jax.tree.map(lambda x: x.reshape((k // m, m) + x.shape[1:]), batches)
             (total, model_state, balancer_state), per_micro = jax.lax.scan(
-                body, (zeros, state["model_state"], state["balancer"]), batches)
-            grads = jax.tree.map(lambda t, p: (t / k).astype(p.dtype), total, params)
+                body, (zeros, state["model_state"], state["balancer"]), groups)
+            grads = jax.tree.map(lambda t, p: (t / k).astype(p.dtype), stack_layer_slices(total), params)
             metrics = jax.tree.map(jnp.mean, per_micro)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates),
