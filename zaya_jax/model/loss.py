@@ -134,7 +134,7 @@ _head_ce.defvjp(_head_ce_fwd, _head_ce_bwd)
 
 
 def chunked_head_cross_entropy(hidden, weight, targets, mask, *, bias=None, chunk_tokens: int = 4096,
-                               impl: str = "xla"):
+                               impl: str = "xla", mean: bool = False):
     """Sum over tokens of the masked next-token CE of `hidden @ weight^T (+ bias)`, and the counted-token total.
 
     hidden [..., D] (compute dtype; the head GEMMs run in it with fp32 accumulation), weight [V, D] (any float dtype,
@@ -143,9 +143,14 @@ def chunked_head_cross_entropy(hidden, weight, targets, mask, *, bias=None, chun
     `token_cross_entropy_terms(head_logits(hidden, weight, bias), targets, mask)` summed (the logits of
     `ZayaForCausalLM.logits`); peak extra memory is about one chunk of logits and their gradient (chunk_tokens x V)
     instead of all of them. impl: how each chunk's loss and logit gradient are formed (zaya_jax/ops/cross_entropy.py:
-    'xla' or the 'pallas' kernel)."""
+    'xla' or the 'pallas' kernel). mean: return the token mean (sum / max(counted, 1)) instead of the sum, its 1/counted
+    folded into each token's weight, so the stored gradients need no scaling by the cotangent when the mean itself is
+    differentiated (the cotangent is then the constant 1, which XLA drops: one pass over the fp32 head gradient less).
+    """
     d = hidden.shape[-1]
     flat_mask = mask.reshape(-1).astype(jnp.float32)
-    total = _head_ce(hidden.reshape(-1, d), weight, bias, targets.reshape(-1).astype(jnp.int32), flat_mask,
+    counted = flat_mask.sum()
+    weights = flat_mask / jnp.maximum(counted, 1.0) if mean else flat_mask
+    total = _head_ce(hidden.reshape(-1, d), weight, bias, targets.reshape(-1).astype(jnp.int32), weights,
                      int(chunk_tokens), impl)
-    return total, flat_mask.sum()
+    return total, counted
