@@ -134,7 +134,7 @@ _head_ce.defvjp(_head_ce_fwd, _head_ce_bwd)
 
 
 def chunked_head_cross_entropy(hidden, weight, targets, mask, *, bias=None, chunk_tokens: int = 4096,
-                               impl: str = "xla", mean: bool = False):
+                               impl: str = "xla"):
     """Sum over tokens of the masked next-token CE of `hidden @ weight^T (+ bias)`, and the counted-token total.
 
     hidden [..., D] (compute dtype; the head GEMMs run in it with fp32 accumulation), weight [V, D] (any float dtype,
@@ -143,14 +143,9 @@ def chunked_head_cross_entropy(hidden, weight, targets, mask, *, bias=None, chun
     `token_cross_entropy_terms(head_logits(hidden, weight, bias), targets, mask)` summed (the logits of
     `ZayaForCausalLM.logits`); peak extra memory is about one chunk of logits and their gradient (chunk_tokens x V)
     instead of all of them. impl: how each chunk's loss and logit gradient are formed (zaya_jax/ops/cross_entropy.py:
-    'xla' or the 'pallas' kernel). mean: return the token mean (sum / max(counted, 1)) instead of the sum, its 1/counted
-    folded into each token's weight, so the stored gradients need no scaling by the cotangent when the mean itself is
-    differentiated (the cotangent is then the constant 1, which XLA drops: one pass over the fp32 head gradient less).
-    """
+    'xla' or the 'pallas' kernel)."""
     d = hidden.shape[-1]
     flat_mask = mask.reshape(-1).astype(jnp.float32)
-    counted = flat_mask.sum()
-    weights = flat_mask / jnp.maximum(counted, 1.0) if mean else flat_mask
-    total = _head_ce(hidden.reshape(-1, d), weight, bias, targets.reshape(-1).astype(jnp.int32), weights,
+    total = _head_ce(hidden.reshape(-1, d), weight, bias, targets.reshape(-1).astype(jnp.int32), flat_mask,
                      int(chunk_tokens), impl)
-    return total, counted
+    return total, flat_mask.sum()

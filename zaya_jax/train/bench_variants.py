@@ -140,7 +140,7 @@ def extra_variants(batch: int, seq: int, gpu: bool) -> list[Variant]:
                "restacked"),
         *(r(main, name=f"accum16_grads_per_pass{m}", kind="accum", accum=16, max_steps=2, grads_per_pass=m,
             note=f"accum16 with the gradients of {m} microbatches added to the fp32 sum in one pass")
-          for m in (2, 4, 8)),
+          for m in (2, 4)),
     ]
 
 
