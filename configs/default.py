@@ -35,7 +35,7 @@ def get_config() -> ConfigDict:
         ce_chunk_tokens=0,  # > 0: head + cross-entropy in token chunks (no [B, T, V] fp32 logits); 8192 at 262k vocab
         # with several microbatches per step, cast the weights read only in the compute dtype once per step (holds a
         # compute-dtype copy of them, mostly the experts, through the step; zaya_jax/model/compute_view.py); with
-        # unrolled layers that copy is also sliced per layer once, and micro-gradients are summed per layer in place
+        # unrolled layers that copy is also sliced per layer once, and micro-gradients are summed per layer
         cast_weights_once=True,
         # microbatches whose gradients are added to the fp32 sum in one pass (zaya_jax/train/step.py): fewer passes
         # over the sum, for holding this many minus one gradients in the compute dtype
