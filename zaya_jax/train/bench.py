@@ -26,10 +26,11 @@ cut short still leaves numbers. Headline keys: tokens_per_s, hf_tokens_per_s, ra
 ratio_vs_hf_same_optimizer, ratio_vs_hf_accum16, ratio_labels, breakdown, accumulation,
 long_context, largest_batch.
 
-Measured with this version (benchmarks/train_h200.json, bench preset, batch 2 x 4096): main 199.8 ms = 41.0k
-tokens/s (fwd+bwd 76.3 ms, Muon + AdamW update 123.9 ms) vs HF + torch.compile 101.6 ms = 80.6k; AdamW on both
-sides 1.14x HF; 64 microbatches through the trainer 102.9k against HF's derived 87.4k (1.18x), the update alone 2.4%
-of that step. Five versions back: main 384.7 ms = 21.3k, fwd+bwd 204 ms.
+Measured with this version (benchmarks/train_h200.json, bench preset, batch 2 x 4096): main 200.9 ms = 40.8k
+tokens/s (fwd+bwd 78.6 ms, Muon + AdamW update 125.7 ms) vs HF + torch.compile 104.9 ms = 78.1k; AdamW on both
+sides 1.16x HF; 64 microbatches through the trainer (4 gradients per pass) 106.6k against HF's derived 84.7k
+(1.26x; 1.27x in train_h200_repeat.json), the update alone 2.6% of that step. Six versions back: main 384.7 ms =
+21.3k, fwd+bwd 204 ms.
 """
 
 from __future__ import annotations

@@ -76,7 +76,8 @@ def summarize(report: dict) -> list[str]:
         report["accumulation"] = acc
         report["accumulation_note"] = ("ours: k microbatches measured as ONE compiled program; optimizer_share = "
                                        "1 - k x fwd_bwd / program time (the update, accumulation and balancing, "
-                                       "by difference); update_share = the Muon + AdamW update alone (opt_zaya) / "
+                                       "by difference; negative when a microbatch in the loop costs less than the standalone fwd_bwd "
+                                       "program, which writes its fp32 gradients out); update_share = the Muon + AdamW update alone (opt_zaya) / "
                                        "program time. HF: DERIVED as k x fwd_bwd + one AdamW step, both measured "
                                        "in bench_hf.py (faster HF variant)")
         if acc.get("accum16", {}).get("ratio_vs_hf_derived"):
