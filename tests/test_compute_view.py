@@ -80,6 +80,15 @@ def test_loss_and_gradients_at_the_view_equal_those_at_the_parameters(ce_chunk, 
     assert_same_grads(stack_layer_slices(got), want)
 
 
+def test_a_per_layer_view_of_a_scanned_model_is_named():
+    cfg = bf16_config(scan_layers=True)
+    graphdef, params, model_state = nnx.split(ZayaForCausalLM(cfg, seed=3), nnx.Param, BalancingBias)
+    params, model_state = nnx.to_pure_dict(params), nnx.to_pure_dict(model_state)
+    batch = {k: v[0] for k, v in stacked_batches(cfg, seed=1).items()}
+    with pytest.raises(ValueError, match="needs the layers unrolled"):
+        make_loss_fn(graphdef, False)(compute_view(params, cfg.dtype, per_layer=True), model_state, batch)
+
+
 def accumulating_step(devices: int, compute_dtype, *, unrolled: bool = False, per_layer: bool = False):
     cfg = bf16_config(scan_layers=not unrolled)
     mesh = make_mesh(num_devices=devices)

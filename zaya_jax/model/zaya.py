@@ -20,7 +20,7 @@ from zaya_jax.config import ModelConfig
 from zaya_jax.model.base import RMSNormWeight, dtypes, normal_init
 from zaya_jax.model.cca import rope_inv_freq
 from zaya_jax.model.layer import DecoderLayer
-from zaya_jax.model.layer_stack import unstack_layers
+from zaya_jax.model.layer_stack import is_layer_slices, unstack_layers
 from zaya_jax.model.loss import head_logits
 from zaya_jax.ops import rmsnorm as norm_ops
 
@@ -129,6 +129,9 @@ class ZayaModel(nnx.Module):
             body, unrolled_body = remat(body), remat(unrolled_body)
         xs = (layer_state, state_scale, inv_freq, windows)
         if cfg.scan_layers:
+            if any(map(is_layer_slices, jax.tree.leaves(layer_state, is_leaf=is_layer_slices))):
+                raise ValueError("a per-layer parameter view (model/compute_view.py, per_layer=True) needs the "
+                                 "layers unrolled (scan_layers=False); lax.scan reads them stacked")
             (h, _), counts = jax.lax.scan(body, (h, router_state), xs)
             y = norm_ops.rms_norm(h, self.norm.weight[...], cfg.rms_norm_eps, dt, impl=cfg.norm_impl)
             return y, ForwardAux(expert_counts=counts)
