@@ -130,8 +130,9 @@ def ops_on(step, state, batches, primitives, in_dtype, out_dtype, shapes) -> lis
 SLICING = ("slice", "dynamic_slice", "gather", "squeeze")
 
 
-@pytest.mark.parametrize("devices", [1, 4], ids=["one_device", "zero1_4_devices"])
-@pytest.mark.parametrize("per_layer", [False, True], ids=["stacked", "per_layer"])
+# the per-layer view through the trainer's shard_map gradients only (one device: tests/test_train_accumulation.py)
+@pytest.mark.parametrize("devices, per_layer", [(1, False), (4, False), (4, True)],
+                         ids=["one_device", "zero1_4_devices", "zero1_4_devices_per_layer"])
 def test_the_accumulating_step_with_the_view_matches_the_step_without(devices, per_layer):
     (with_view, step_view), state, batches = accumulating_step(devices, "bfloat16", unrolled=per_layer,
                                                                per_layer=per_layer)

@@ -208,11 +208,10 @@ def test_the_microbatch_loop_copies_no_parameter_sized_buffer(program):
 
 
 def ramp_config(**train):
-    """tests/test_train.py's small run with 2 microbatches per step after a ramp that starts at k = 1, both
-    microbatch gradients of a step added in one pass (train.grads_per_pass)."""
+    """tests/test_train.py's small run with 2 microbatches per step after a ramp that starts at k = 1."""
     c = small_config(**train)
     micro = c.train.microbatch_tokens
-    c.train.update({"global_batch_tokens": 2 * micro, "grads_per_pass": 2,
+    c.train.update({"global_batch_tokens": 2 * micro,
                     "batch_ramp": {"start_tokens": micro, "ramp_tokens": 2 * micro}})
     return c
 
