@@ -15,19 +15,14 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_train_accumulation import BALANCER, OPTIM, stacked_batches
+from test_train_accumulation import accumulating_setup, stacked_batches
 
 from zaya_jax.config import preset
 from zaya_jax.model import ZayaForCausalLM
 from zaya_jax.model.compute_view import COMPUTE_DTYPE_LEAVES, compute_view
 from zaya_jax.model.base import BalancingBias
 from zaya_jax.model.layer_stack import LayerSlices, stack_layer_slices
-from zaya_jax.optim.optimizer import build_optimizer
-from zaya_jax.parallel.data_parallel import sharded_value_and_grad
-from zaya_jax.parallel.mesh import make_mesh
-from zaya_jax.parallel.sharding import state_shardings, zero1, zero1_spec_fn
-from zaya_jax.train.loop import init_state
-from zaya_jax.train.step import make_accumulating_train_step, make_local_loss_sums, make_loss_fn
+from zaya_jax.train.step import make_loss_fn
 
 
 def bf16_config(scan_layers=True):
@@ -92,15 +87,7 @@ def test_a_per_layer_view_of_a_scanned_model_is_named():
 
 def accumulating_step(devices: int, compute_dtype, *, unrolled: bool = False, per_layer: bool = False):
     cfg = bf16_config(scan_layers=not unrolled)
-    mesh = make_mesh(num_devices=devices)
-    tx = build_optimizer(OPTIM, log=None)
-    tx = tx if devices == 1 else zero1(tx, mesh)
-    graphdef, state = init_state(cfg, tx, 0, lambda s: state_shardings(s, mesh, zero1=devices > 1))
-    grad_fn = None
-    if devices > 1:
-        grad_fn = sharded_value_and_grad(make_local_loss_sums(graphdef, False), mesh, zero1_spec_fn(mesh))
-    step = make_accumulating_train_step(graphdef, tx, BALANCER, grad_fn=grad_fn, compute_dtype=compute_dtype,
-                                        per_layer_view=per_layer)
+    _, state, step, mesh = accumulating_setup(cfg, devices, compute_dtype=compute_dtype, per_layer_view=per_layer)
     batches = jax.device_put(stacked_batches(cfg), NamedSharding(mesh, P(None, "data")))
     run = jax.jit(step, out_shardings=(jax.tree.map(lambda x: x.sharding, state), NamedSharding(mesh, P())))
     return (run, step), state, batches

@@ -62,20 +62,27 @@ def counting(tx, calls):
     return optax.GradientTransformation(tx.init, update)
 
 
-def accumulating_program(devices: int, calls: list, k: int = K, grads_per_pass: int = 1, unrolled: bool = False):
-    """(compiled step, initial state, stacked batches on the devices, graphdef) for one device (value_and_grad)
-    or `devices` emulated ones (the trainer's shard_map gradients, ZeRO-1 optimizer state); unrolled: the layers
-    unrolled, with the per-layer view (model/compute_view.py)."""
-    cfg = model_config(scan_layers=not unrolled)
+def accumulating_setup(cfg, devices: int, *, wrap_tx=lambda tx: tx, **step_kwargs):
+    """(graphdef, initial state, accumulating step, mesh) for one device (value_and_grad) or `devices` emulated ones
+    (the trainer's shard_map gradients, ZeRO-1 optimizer state); wrap_tx wraps the (ZeRO-1) optimizer."""
     mesh = make_mesh(num_devices=devices)
-    tx = counting(build_optimizer(OPTIM, log=None) if devices == 1 else zero1(build_optimizer(OPTIM, log=None), mesh),
-                  calls)
+    tx = build_optimizer(OPTIM, log=None)
+    tx = wrap_tx(tx if devices == 1 else zero1(tx, mesh))
     graphdef, state = init_state(cfg, tx, 0, lambda s: state_shardings(s, mesh, zero1=devices > 1))
     grad_fn = None
     if devices > 1:
         grad_fn = sharded_value_and_grad(make_local_loss_sums(graphdef, False), mesh, zero1_spec_fn(mesh))
-    step = make_accumulating_train_step(graphdef, tx, BALANCER, grad_fn=grad_fn, grads_per_pass=grads_per_pass,
-                                        per_layer_view=unrolled)
+    step = make_accumulating_train_step(graphdef, tx, BALANCER, grad_fn=grad_fn, **step_kwargs)
+    return graphdef, state, step, mesh
+
+
+def accumulating_program(devices: int, calls: list, k: int = K, grads_per_pass: int = 1, unrolled: bool = False):
+    """(compiled step, initial state, stacked batches on the devices, graphdef) of accumulating_setup, the optimizer
+    counting its updates into `calls`; unrolled: the layers unrolled, with the per-layer view
+    (model/compute_view.py)."""
+    cfg = model_config(scan_layers=not unrolled)
+    graphdef, state, step, mesh = accumulating_setup(cfg, devices, wrap_tx=lambda tx: counting(tx, calls),
+                                                     grads_per_pass=grads_per_pass, per_layer_view=unrolled)
     batches = jax.device_put(stacked_batches(cfg, k=k), NamedSharding(mesh, P(None, "data")))
     out = (jax.tree.map(lambda x: x.sharding, state), NamedSharding(mesh, P()))
     compiled = jax.jit(step, donate_argnums=0, out_shardings=out).lower(state, batches).compile()
