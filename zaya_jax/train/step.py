@@ -153,9 +153,7 @@ def make_accumulating_train_step(graphdef, tx: optax.GradientTransformation, bal
             grads, model_state, balancer_state, metrics = microbatch(
                 params, state["model_state"], state["balancer"], jax.tree.map(lambda x: x[0], batches))
         else:
-            view = params
-            if compute_dtype is not None or per_layer_view:
-                view = compute_view(params, compute_dtype, per_layer=per_layer_view)
+            view = compute_view(params, compute_dtype, per_layer=per_layer_view)  # the same leaves when neither
 
             m = _group_size(k, grads_per_pass)
 
