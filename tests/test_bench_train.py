@@ -3,6 +3,7 @@ walk, the report's ratios and HF's derived accumulation figure, the HF process d
 breakdown and accumulation programs end to end, a rejected config override reported per variant, and the train
 state rebuilt after a failed call consumed its donated buffers."""
 
+import argparse
 import json
 import sys
 import threading
@@ -118,10 +119,12 @@ def test_report_ratios_and_derived_hf_accumulation():
         "opt_zaya": {**step(0.18), "kind": "opt", "tokens_per_s": None},
         "accum16": step(16 * 0.2 + 0.18, kind="accum", accum=16,
                         tokens_per_s=16 * 8192 / (16 * 0.2 + 0.18)),
+        "accum64": step(64 * 0.09, kind="accum", accum=64, tokens_per_s=64 * 8192 / (64 * 0.09)),
     }, "hf": {"batch": 2, "seq": 4096,
               "eager": {"median_s": 0.3, "tokens_per_s": 8192 / 0.3, "fwd_bwd_s": 0.25, "optimizer_s": 0.05},
               "compiled": {"median_s": 0.128, "tokens_per_s": 8192 / 0.128, "fwd_bwd_s": 0.11,
-                           "optimizer_s": 0.018}}}
+                           "optimizer_s": 0.018, "accum64": {"k": 64, "median_s": 7.2,
+                                                              "tokens_per_s": 64 * 8192 / 7.2}}}}
     lines = bench_report.summarize(report)
     assert report["hf_variant"] == "compiled" and report["ratio_vs_hf"] == pytest.approx(0.128 / 0.4)
     assert report["ratio_vs_hf_same_optimizer"] == pytest.approx(0.128 / 0.25)
@@ -132,12 +135,44 @@ def test_report_ratios_and_derived_hf_accumulation():
     assert acc["optimizer_share"] == pytest.approx(0.18 / (16 * 0.2 + 0.18))
     assert "DERIVED" in report["ratio_labels"]["ratio_vs_hf_accum16"]
     assert report["ratio_vs_hf_bound_update_alone"] == pytest.approx(0.128 / 0.18)  # the update alone vs HF's step
+    # accum64: HF's accumulated step measured whole, so the ratio is against that (the derived figure stays listed)
+    acc64 = report["accumulation"]["accum64"]
+    assert acc64["hf_tokens_per_s_measured"] == pytest.approx(64 * 8192 / 7.2)
+    assert acc64["hf_tokens_per_s_derived"] == pytest.approx(64 * 8192 / (64 * 0.11 + 0.018))
+    assert report["ratio_vs_hf_accum64"] == pytest.approx(7.2 / (64 * 0.09))
+    assert "MEASURED" in report["ratio_labels"]["ratio_vs_hf_accum64"]
     assert set(report["ratio_labels"]) == {"ratio_vs_hf", "ratio_vs_hf_same_optimizer", "ratio_vs_hf_accum16",
-                                           "ratio_vs_hf_bound_update_alone"}
+                                           "ratio_vs_hf_accum64", "ratio_vs_hf_bound_update_alone"}
     bd = report["breakdown"]
     assert bd["optimizer_share"] == pytest.approx(0.18 / 0.4) and bd["backward_ms_derived"] == pytest.approx(140)
     assert report["hf_breakdown"]["optimizer_ms"] == pytest.approx(18)
     assert any(line.startswith("ratio_vs_hf:") for line in lines)
+
+
+def test_hf_accumulated_step_protocol():
+    """HF's measured accumulation: k backward passes of loss / k, then one optimizer step and zero_grad, per step;
+    one untimed step, then as many timed ones (2-3) as the deadline leaves room for."""
+    calls = []
+
+    class Opt:
+        def step(self):
+            calls.append("step")
+
+        def zero_grad(self, set_to_none):
+            calls.append("zero")
+
+    def timed(fn, reps):
+        for _ in range(reps):
+            fn()
+        return [1.0] * reps
+
+    args = argparse.Namespace(batch=2, seq=8)
+    got = bench_hf.time_accumulated(None, lambda m, scale: calls.append(scale), Opt(), 4, timed, lambda: None, args,
+                                    fwd_bwd_s=0.01, deadline=time.time() + 60)
+    assert calls == ([0.25] * 4 + ["step", "zero"]) * 4  # 1 untimed + 3 timed
+    assert got["median_s"] == 1.0 and got["tokens_per_s"] == 4 * 2 * 8
+    assert "skipped" in bench_hf.time_accumulated(None, None, None, 4, timed, None, args, fwd_bwd_s=10.0,
+                                                  deadline=time.time() + 60)["error"]
 
 
 def test_hf_driver_command_and_a_failed_process(tmp_path):
@@ -146,6 +181,7 @@ def test_hf_driver_command_and_a_failed_process(tmp_path):
           "wait_deadline": 5.0, "timing_deadline": 7.0, "compile_model": False}
     hf_args = bench_hf.parse_args(hf.command(sys.executable, **kw)[2:])  # the driver speaks the script's CLI
     assert (hf_args.batch, hf_args.steps, hf_args.timing_deadline, hf_args.no_compile) == (1, 3, 7.0, True)
+    assert bench_hf.parse_args(hf.command(sys.executable, **kw, accum=(4, 16))[2:]).accum == "4,16"
     hf.start("false", {"vocab_size": 8}, **kw)  # a process that fails: the run goes on with what it left
     hf.jax_compiled()
     assert hf.wait_exit(60) == "exited 1"

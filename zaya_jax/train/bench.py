@@ -14,8 +14,9 @@ bench_report the JSON headline and table, bench_profile the optional kernel trac
 - 32k context (batch 1; first of no remat / save_dots / full remat that fits) and the largest batch at the bench
   sequence length (upward from 4), both chosen by XLA's memory analysis before anything runs;
 - in a separate process, transformers' ZayaForCausalLM (bf16, SDPA, grouped_mm experts, fused AdamW) eager and
-  under torch.compile: its full step, and its forward+backward and optimizer step apart (HF with accumulation is
-  derived from those two, and labelled so);
+  under torch.compile: its full step, its forward+backward and optimizer step apart, and (the faster variant) whole
+  accumulated steps of each --accum k (k backward passes into .grad, one AdamW step), which the accumulation rows
+  are set against;
 - the bf16 GEMM ceilings (JAX here, torch there).
 
 Schedule on one GPU: phase 1 compiles everything (our variants on a thread pool, HF warm-up and torch.compile in
@@ -23,14 +24,14 @@ its process) concurrently; then HF times and exits; then JAX reserves its memory
 (bench_memory) and times its variants one by one, the 32k and large-batch runs last with only their state resident.
 Every phase has a deadline inside --time-budget and the JSON report is rewritten after each measurement, so a run
 cut short still leaves numbers. Headline keys: tokens_per_s, hf_tokens_per_s, ratio_vs_hf, mfu,
-ratio_vs_hf_same_optimizer, ratio_vs_hf_accum16, ratio_labels, breakdown, accumulation,
+ratio_vs_hf_same_optimizer, ratio_vs_hf_accum{k}, ratio_labels, breakdown, accumulation,
 long_context, largest_batch.
 
-Measured with this version (benchmarks/train_h200.json, bench preset, batch 2 x 4096): main 200.9 ms = 40.8k
-tokens/s (fwd+bwd 78.6 ms, Muon + AdamW update 125.7 ms) vs HF + torch.compile 104.9 ms = 78.1k; AdamW on both
-sides 1.16x HF; 64 microbatches through the trainer (4 gradients per pass) 106.6k against HF's derived 84.7k
-(1.26x; 1.27x in train_h200_repeat.json), the update alone 2.6% of that step. Six versions back: main 384.7 ms =
-21.3k, fwd+bwd 204 ms.
+Measured with this version (benchmarks/train_h200.json, bench preset, batch 2 x 4096): main 200.0 ms = 41.0k
+tokens/s (fwd+bwd 77.2 ms, Muon + AdamW update 125.5 ms) vs HF + torch.compile 104.6 ms = 78.4k; AdamW on both
+sides 1.16x HF; 64 microbatches through the trainer (4 gradients per pass) 108.3k against HF's measured 64-microbatch
+step 90.2k (1.20x; the figure derived from HF's separately timed fwd+bwd and AdamW step, 85.2k, undercounts HF:
+each of those passes was timed alone from an idle GPU), the update alone 2.6% of that step.
 """
 
 from __future__ import annotations
@@ -145,7 +146,8 @@ def run(args) -> dict:
     if not args.no_hf:
         hf.start(args.hf_python, cfg0.to_hf_dict(), experts=args.hf_experts, batch=args.batch, seq=args.seq,
                  steps=args.steps, warmup=args.warmup, ceiling_size=args.ceiling_size,
-                 wait_deadline=clock.at(0.5), timing_deadline=clock.at(0.62), compile_model=not args.hf_no_compile)
+                 wait_deadline=clock.at(0.5), timing_deadline=clock.at(0.62), compile_model=not args.hf_no_compile,
+                 accum=tuple(ints(args.accum)))
 
     # phase 1: compile (HF warms up / compiles at the same time)
     runner = Runner(args, report, clock, log)

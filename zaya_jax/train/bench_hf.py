@@ -8,9 +8,11 @@ implementation asked for (`grouped_mm`: transformers 5.23 reads config._experts_
 torch.optim.AdamW. Measured eager, then under torch.compile(model), with CUDA events, medians after warm-up:
 - `step`: forward with labels (HF's own shifted, fp32-upcast loss), backward, AdamW step, zero_grad;
 - `fwd_bwd`: forward + backward only, gradients accumulating into .grad (a microbatch of gradient accumulation);
-- `optimizer`: AdamW step alone (the once-per-k part of gradient accumulation).
-With accumulation over k microbatches HF's step would cost k * fwd_bwd + optimizer; the report derives that
-figure from these two measurements (bench_report.py) and says so.
+- `optimizer`: AdamW step alone (the once-per-k part of gradient accumulation);
+- `accum{k}` (--accum, for the variant with the faster step): whole optimizer steps of gradient accumulation as a
+  PyTorch user writes them: k forward + backward passes of (loss / k) into .grad, one AdamW step, zero_grad.
+The report sets our accumulated steps against these (and, where one is missing, against k * fwd_bwd + optimizer,
+derived from the two measurements above and labelled so).
 
 Protocol with the JAX process (files in --workdir): warm up / compile first, write `hf_compiled`; time only after
 `jax_compiled` exists (the JAX side has finished compiling; or the deadline passed), then exit, which frees the
@@ -41,6 +43,7 @@ def parse_args(argv=None):
     ap.add_argument("--experts", default="grouped_mm")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--ceiling-size", type=int, default=8192)
+    ap.add_argument("--accum", default="", help="comma-separated microbatch counts of measured accumulated steps")
     return ap.parse_args(argv)
 
 
@@ -86,9 +89,9 @@ def main(argv=None):
     g = torch.Generator(device=dev).manual_seed(1)
     ids = torch.randint(3, cfg.vocab_size, (args.batch, args.seq), device=dev, generator=g)
 
-    def fwd_bwd(m):
+    def fwd_bwd(m, scale=1.0):
         out = m(input_ids=ids, labels=ids)
-        out.loss.backward()
+        (out.loss * scale if scale != 1.0 else out.loss).backward()
         return out.loss.detach()
 
     def step(m):
@@ -165,6 +168,22 @@ def main(argv=None):
             report[name] = {"error": repr(e)[:2000]}
             traceback.print_exc()
         save()
+    accum = [int(k) for k in args.accum.split(",") if k]
+    timed_runners = {n: report[n]["median_s"] for n in runners if report.get(n, {}).get("median_s")}
+    if accum and timed_runners:
+        name = min(timed_runners, key=timed_runners.get)  # the faster HF variant
+        for k in accum:
+            key = f"accum{k}"
+            try:
+                report[name][key] = time_accumulated(runners[name], fwd_bwd, opt, k, timed, sync, args,
+                                                     report[name]["fwd_bwd_s"], timing_deadline)
+                r = report[name][key]
+                if "median_s" in r:
+                    log(f"{name}: {k} microbatches + AdamW {r['median_s'] * 1e3:.1f} ms, {r['tokens_per_s']:,.0f} tok/s")
+            except Exception as e:  # noqa: BLE001
+                report[name][key] = {"error": repr(e)[:2000]}
+                traceback.print_exc()
+            save()
     log("done")
 
 
@@ -199,6 +218,25 @@ def time_runner(m, step, fwd_bwd, opt, timed, sync, args, deadline, cuda, torch)
             "fwd_bwd_s": statistics.median(fb), "fwd_bwd_times_s": fb, "optimizer_s": statistics.median(ot),
             "optimizer_times_s": ot,
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None}
+
+
+def time_accumulated(m, fwd_bwd, opt, k: int, timed, sync, args, fwd_bwd_s: float, deadline: float) -> dict:
+    """Whole accumulated steps: k microbatches of (loss / k).backward() into .grad, one AdamW step, zero_grad; one
+    untimed, then 2 or 3 timed (as the deadline leaves room for)."""
+    def accumulated_step():
+        for _ in range(k):
+            fwd_bwd(m, 1.0 / k)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    fit = (deadline - time.time()) / max(k * fwd_bwd_s, 1e-3)  # whole steps left (inf without a deadline)
+    if fit < 3:
+        return {"k": k, "error": f"skipped: out of time ({k} x {fwd_bwd_s * 1e3:.1f} ms per step)"}
+    accumulated_step()
+    sync()
+    times = timed(accumulated_step, int(min(3, fit - 1)))
+    med = statistics.median(times)
+    return {"k": k, "median_s": med, "step_times_s": times, "tokens_per_s": k * args.batch * args.seq / med}
 
 
 if __name__ == "__main__":

@@ -17,13 +17,14 @@ class HFProcess:
         self.log_path = os.path.join(workdir, "hf.log")
 
     def command(self, python: str, *, experts: str, batch: int, seq: int, steps: int, warmup: int,
-                ceiling_size: int, wait_deadline: float, timing_deadline: float, compile_model: bool = True):
+                ceiling_size: int, wait_deadline: float, timing_deadline: float, compile_model: bool = True,
+                accum: tuple[int, ...] = ()):
         """The HF process's command line (bench_hf.parse_args reads everything after the script)."""
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_hf.py")
         cmd = [python, script, "--config", os.path.join(self.workdir, "hf_config.json"), "--batch", str(batch),
                "--seq", str(seq), "--steps", str(steps), "--warmup", str(warmup), "--workdir", self.workdir,
                "--experts", experts, "--ceiling-size", str(ceiling_size), "--wait-deadline", str(wait_deadline),
-               "--timing-deadline", str(timing_deadline), "--out", self.out]
+               "--timing-deadline", str(timing_deadline), "--accum", ",".join(map(str, accum)), "--out", self.out]
         return cmd + ([] if compile_model else ["--no-compile"])
 
     def start(self, python: str, hf_config: dict, **kw):

@@ -17,11 +17,19 @@ RATIO_LABELS = {
     "ratio_vs_hf_bound_update_alone": "the most ratio_vs_hf can be at this batch on one device: our Muon + AdamW "
                                       "update ALONE (opt_zaya, no forward or backward) vs the faster measured HF "
                                       "step",
-    "ratio_vs_hf_accum16": "accum16, one optimizer step of 16 microbatches of the same batch through the trainer's "
-                           "program (gradients summed in a scan, one Muon + AdamW update) vs HF with 16-step "
-                           "accumulation DERIVED as 16 x fwd_bwd + 1 AdamW step (each measured separately, faster HF "
-                           "variant)",
 }
+
+
+def ratio_label(key: str, measured: bool = True) -> str:
+    if key in RATIO_LABELS:
+        return RATIO_LABELS[key]
+    k = key.removeprefix("ratio_vs_hf_accum")
+    hf = (f"HF's MEASURED {k}-microbatch step (faster HF variant: {k} backward passes of loss / {k} into .grad, one "
+          f"fused AdamW step, zero_grad)" if measured else
+          f"HF with {k}-step accumulation DERIVED as {k} x fwd_bwd + 1 AdamW step (each measured separately, faster "
+          f"HF variant)")
+    return (f"accum{k}, one optimizer step of {k} microbatches of the same batch through the trainer's program "
+            f"(gradients summed in fp32 over a scan, one Muon + AdamW update) vs {hf}")
 
 
 def hf_accumulated_tokens_per_s(h: dict, k: int, tokens_per_microbatch: int) -> float | None:
@@ -78,12 +86,18 @@ def summarize(report: dict) -> list[str]:
                                        "1 - k x fwd_bwd / program time (the update, accumulation and balancing, "
                                        "by difference; negative when a microbatch in the loop costs less than the standalone fwd_bwd "
                                        "program, which writes its fp32 gradients out); update_share = the Muon + AdamW update alone (opt_zaya) / "
-                                       "program time. HF: DERIVED as k x fwd_bwd + one AdamW step, both measured "
-                                       "in bench_hf.py (faster HF variant)")
-        if acc.get("accum16", {}).get("ratio_vs_hf_derived"):
-            ratios["ratio_vs_hf_accum16"] = acc["accum16"]["ratio_vs_hf_derived"]
+                                       "program time. HF: MEASURED whole accumulated steps (bench_hf.py accum{k}, "
+                                       "faster HF variant) where present; DERIVED as k x fwd_bwd + one AdamW step "
+                                       "(both measured in bench_hf.py) for every k")
+    labels = {}
+    for row in acc.values():
+        key = f"ratio_vs_hf_accum{row['k']}"
+        if row.get("ratio_vs_hf_measured"):
+            ratios[key], labels[key] = row["ratio_vs_hf_measured"], ratio_label(key)
+        elif row.get("ratio_vs_hf_derived"):
+            ratios[key], labels[key] = row["ratio_vs_hf_derived"], ratio_label(key, measured=False)
     report.update(ratios)
-    report["ratio_labels"] = {k: RATIO_LABELS[k] for k in ratios}
+    report["ratio_labels"] = {k: labels.get(k) or ratio_label(k) for k in ratios}
     searched(report, v, main)
     return table(report)
 
@@ -128,6 +142,10 @@ def accumulation(v: dict, hf: dict, tokens_per_microbatch: int) -> dict:
         if hf_tps:
             row.update(hf_variant=hf_name, hf_tokens_per_s_derived=hf_tps,
                        ratio_vs_hf_derived=x["tokens_per_s"] / hf_tps)
+        hf_name, hf_tps = best_hf(hf, lambda h, k=k: (h.get(f"accum{k}") or {}).get("tokens_per_s"))
+        if hf_tps:
+            row.update(hf_variant_measured=hf_name, hf_tokens_per_s_measured=hf_tps,
+                       ratio_vs_hf_measured=x["tokens_per_s"] / hf_tps)
         out[name] = row
     return out
 
@@ -177,7 +195,7 @@ def table(report: dict) -> list[str]:
     for name, err in report.get("errors", {}).items():
         lines.append(f"error {name}: {str(err)[:300]}")
     for k in ("tokens_per_s", "hf_tokens_per_s", "hf_variant", "hf_mfu", "mfu", "mfu_vs_gemm_ceiling",
-              "peak_memory_gib", *RATIO_LABELS, "breakdown", "hf_breakdown", "accumulation", "long_context",
+              "peak_memory_gib", *report.get("ratio_labels", {}), "breakdown", "hf_breakdown", "accumulation", "long_context",
               "largest_batch", "searches"):
         if k in report:
             val = report[k]
