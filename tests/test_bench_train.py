@@ -149,6 +149,17 @@ def test_report_ratios_and_derived_hf_accumulation():
     assert any(line.startswith("ratio_vs_hf:") for line in lines)
 
 
+def test_profile_sources_name_the_model_line_that_emitted_each_op():
+    import jax.numpy as jnp
+    from zaya_jax.ops.rmsnorm import rms_norm_reference
+    from zaya_jax.train import bench_profile
+    x, w = jnp.ones((4, 8)), jnp.ones((8,))
+    text = jax.jit(lambda x, w: rms_norm_reference(x, w, 1e-6)).lower(x, w).compile().as_text()
+    sources = bench_profile.hlo_sources(text)
+    assert sources and all(v.startswith("zaya_jax/ops/rmsnorm.py:") for v in sources.values())
+    assert any("rms_norm_reference" in v for v in sources.values())
+
+
 def test_hf_accumulated_step_protocol():
     """HF's measured accumulation: k backward passes of loss / k, then one optimizer step and zero_grad, per step;
     one untimed step, then as many timed ones (2-3) as the deadline leaves room for."""

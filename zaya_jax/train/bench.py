@@ -31,7 +31,9 @@ Measured with this version (benchmarks/train_h200.json, bench preset, batch 2 x 
 tokens/s (fwd+bwd 77.2 ms, Muon + AdamW update 125.5 ms) vs HF + torch.compile 104.6 ms = 78.4k; AdamW on both
 sides 1.16x HF; 64 microbatches through the trainer (4 gradients per pass) 108.3k against HF's measured 64-microbatch
 step 90.2k (1.20x; the figure derived from HF's separately timed fwd+bwd and AdamW step, 85.2k, undercounts HF:
-each of those passes was timed alone from an idle GPU), the update alone 2.6% of that step.
+each of those passes was timed alone from an idle GPU; 1.19x in train_h200_repeat.json), the update alone 2.6% of
+that step. Head chunks of 8192 tokens instead of 4096: fwd_bwd 76.1 against 79.6 ms, the 64-microbatch step 0.8%
+faster at 2 GiB more (benchmarks/train_h200_ce_chunk_ab.json).
 """
 
 from __future__ import annotations

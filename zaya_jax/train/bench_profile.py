@@ -1,6 +1,8 @@
 """Kernel profile of one benchmark variant: two calls under jax.profiler, kernels grouped by class, by phase
-(forward / backward / other, from the JAX op_name in the HLO metadata) and by op. XLA runs the step as CUDA
-command buffers, so per-op attribution may only see command_buffer_N: by_class_ms and top_kernels_ms still hold."""
+(forward / backward / other, from the JAX op_name in the HLO metadata), by op, and by the model source line that
+emitted them (the innermost zaya_jax / pallas_kernels frame of the HLO stack, systems/hlo_frames). XLA runs the step
+as CUDA command buffers, so per-op attribution may only see command_buffer_N (XLA_FLAGS=
+--xla_gpu_enable_command_buffer= turns them off): by_class_ms and top_kernels_ms still hold."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import os
 
 import jax
 
+from zaya_jax.systems import hlo_frames
 from zaya_jax.train.bench_programs import variant_batch
 
 
@@ -43,12 +46,28 @@ def profile(runner, name: str, workdir: str) -> dict | None:
     files = glob.glob(f"{logdir}/plugins/profile/*/*.xplane.pb")
     if not files:
         return None
-    return breakdown(jax.profiler.ProfileData.from_file(files[0]), hlo_op_names(c.as_text()), reps,
-                     gpu=jax.devices()[0].platform == "gpu", forward_only=v.kind == "fwd")
+    text = c.as_text()
+    return breakdown(jax.profiler.ProfileData.from_file(files[0]), hlo_op_names(text), reps,
+                     gpu=jax.devices()[0].platform == "gpu", forward_only=v.kind == "fwd",
+                     sources=hlo_sources(text))
 
 
-def breakdown(pd, op_names: dict, reps: int, gpu: bool, forward_only: bool) -> dict:
-    by_class, by_name, by_op, by_phase = {}, {}, {}, {}
+def hlo_sources(hlo_text: str) -> dict:
+    """HLO instruction name -> 'file:line function < caller file:line' of the two innermost project frames that
+    emitted it (the caller tells apart the uses of shared helpers)."""
+    out = {}
+    for name, instr in hlo_frames.parse(hlo_text).instructions.items():
+        frames = [f for f in instr.frames if "zaya_jax/" in f.file or "pallas_kernels/" in f.file][:2]
+        if frames:
+            short = [f"{f.file[f.file.rfind('zaya_jax/' if 'zaya_jax/' in f.file else 'pallas_kernels/'):]}:{f.line}"
+                     for f in frames]
+            out[name] = f"{short[0]} {frames[0].function}" + (f" < {short[1]}" if len(short) > 1 else "")
+    return out
+
+
+def breakdown(pd, op_names: dict, reps: int, gpu: bool, forward_only: bool, sources: dict | None = None) -> dict:
+    by_class, by_name, by_op, by_phase, by_source = {}, {}, {}, {}, {}
+    sources = sources or {}
     total = 0.0
     for plane in pd.planes:
         if not plane.name.startswith("/device:GPU" if gpu else "/host:CPU"):
@@ -64,11 +83,12 @@ def breakdown(pd, op_names: dict, reps: int, gpu: bool, forward_only: bool) -> d
                 phase = ("backward" if "transpose(" in op else "forward" if "jvp(" in op or forward_only
                          else "other (optimizer, balancing, copies)")
                 for table, key in ((by_class, kernel_class(ev.name)), (by_name, ev.name), (by_phase, phase),
-                                   (by_op, f"{phase[:3]} {op_key(op) or hlo or ev.name[:60]}")):
+                                   (by_op, f"{phase[:3]} {op_key(op) or hlo or ev.name[:60]}"),
+                                   (by_source, f"{phase[:3]} {sources.get(hlo, '(no project frame)')}")):
                     table[key] = table.get(key, 0) + d
     top = lambda dct, n: [[k[:200], round(t, 3)] for k, t in sorted(dct.items(), key=lambda kv: -kv[1])[:n]]
     return {"kernel_ms_per_step": total, "by_phase_ms": dict(top(by_phase, 10)), "by_class_ms": dict(top(by_class, 20)),
-            "top_ops_ms": top(by_op, 60), "top_kernels_ms": top(by_name, 40)}
+            "top_ops_ms": top(by_op, 60), "top_kernels_ms": top(by_name, 40), "top_sources_ms": top(by_source, 60)}
 
 
 def summary_line(name: str, prof: dict) -> str:
