@@ -108,7 +108,11 @@ _ATTENTION = {
     # affine addresses, the dk/dv kernel's stores through a per-step table: dk/dv + dS 0.67 against 0.59 ms at 4k,
     # benchmarks/attention_tiles_querymajor_h200.json); 128-row dS tiles (32 positions x 4 heads, one K byte per dS
     # byte in the dq kernel) exceed shared memory at 3 stages and run the dk/dv kernel 3-4x slower at 2
-    # (benchmarks/attention_tiles128_h200.json).
+    # (benchmarks/attention_tiles128_h200.json). Triton's Hopper warp specialization (a producer warp group feeding
+    # the matmuls, as FA3 and cuDNN do) cannot be reached from Pallas: with `tt.warp_specialize` set on the loops of
+    # the lowered module and 4 warps, XLA's Triton pipeline aborts ("unsupported load type for producer commit"), for
+    # a plain matmul loop too; its producer partition needs TMA descriptor loads, which the Pallas Triton lowering
+    # does not emit (launch/probe_warp_specialize.py, benchmarks/warp_specialize_probe_h200.json).
     "cuda": AttentionBlocks(fwd_q=128, fwd_k=128, fwd_warps=8, fwd_stages=3, dq_stages=4, dkv_q=32, dkv_heads=2,
                             bwd="tiles", tiles_dq_stages=2),
     # MI300X: 64-lane wavefronts (4 waves = 256 lanes), AMD's Triton pipeliner wants num_stages 1-2.
