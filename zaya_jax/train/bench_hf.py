@@ -179,7 +179,8 @@ def main(argv=None):
                                                      report[name]["fwd_bwd_s"], timing_deadline)
                 r = report[name][key]
                 if "median_s" in r:
-                    log(f"{name}: {k} microbatches + AdamW {r['median_s'] * 1e3:.1f} ms, {r['tokens_per_s']:,.0f} tok/s")
+                    log(f"{name}: {k} microbatches + AdamW {r['median_s'] * 1e3:.1f} ms, "
+                        f"{r['tokens_per_s']:,.0f} tok/s")
             except Exception as e:  # noqa: BLE001
                 report[name][key] = {"error": repr(e)[:2000]}
                 traceback.print_exc()

@@ -82,13 +82,13 @@ def summarize(report: dict) -> list[str]:
     acc = accumulation(v, hf, report.get("batch", 0) * report.get("seq", 0))
     if acc:
         report["accumulation"] = acc
-        report["accumulation_note"] = ("ours: k microbatches measured as ONE compiled program; optimizer_share = "
-                                       "1 - k x fwd_bwd / program time (the update, accumulation and balancing, "
-                                       "by difference; negative when a microbatch in the loop costs less than the standalone fwd_bwd "
-                                       "program, which writes its fp32 gradients out); update_share = the Muon + AdamW update alone (opt_zaya) / "
-                                       "program time. HF: MEASURED whole accumulated steps (bench_hf.py accum{k}, "
-                                       "faster HF variant) where present; DERIVED as k x fwd_bwd + one AdamW step "
-                                       "(both measured in bench_hf.py) for every k")
+        report["accumulation_note"] = (
+            "ours: k microbatches measured as ONE compiled program; optimizer_share = 1 - k x fwd_bwd / program time "
+            "(the update, accumulation and balancing, by difference; negative when a microbatch in the loop costs "
+            "less than the standalone fwd_bwd program, which writes its fp32 gradients out); update_share = the Muon "
+            "+ AdamW update alone (opt_zaya) / program time. HF: MEASURED whole accumulated steps (bench_hf.py "
+            "accum{k}, faster HF variant) where present; DERIVED as k x fwd_bwd + one AdamW step (both measured in "
+            "bench_hf.py) for every k")
     labels = {}
     for row in acc.values():
         key = f"ratio_vs_hf_accum{row['k']}"
@@ -181,10 +181,17 @@ def table(report: dict) -> list[str]:
     for label in ("eager", "compiled"):
         h = hf.get(label, {})
         if h.get("tokens_per_s"):
-            lines.append(f"{'HF ' + label:<22} {'step':<7} {'1x' + str(hf.get('batch')) + 'x' + str(hf.get('seq')):>12} "
+            shape = f"1x{hf.get('batch')}x{hf.get('seq')}"
+            lines.append(f"{'HF ' + label:<22} {'step':<7} {shape:>12} "
                          f"{h['median_s'] * 1e3:>10.1f} {h['tokens_per_s']:>10,.0f} {'':>6} "
                          f"{h.get('peak_memory_gib') or 0:>8.1f}  fwd+bwd {h.get('fwd_bwd_s', 0) * 1e3:.1f} ms, "
                          f"AdamW {h.get('optimizer_s', 0) * 1e3:.1f} ms, experts={hf.get('experts_implementation')}")
+            for key, a in h.items():
+                if key.startswith("accum") and isinstance(a, dict) and a.get("median_s"):
+                    shape = f"{a['k']}x{hf.get('batch')}x{hf.get('seq')}"
+                    lines.append(f"{'HF ' + label + ' ' + key:<22} {'accum':<7} {shape:>12} "
+                                 f"{a['median_s'] * 1e3:>10.1f} {a['tokens_per_s']:>10,.0f}  measured: {a['k']} "
+                                 f"backward passes, one AdamW step")
         elif h.get("error"):
             lines.append(f"HF {label}: error: {h['error'][:200]}")
     if report.get("gemm_ceiling_tflops_jax"):
@@ -195,8 +202,8 @@ def table(report: dict) -> list[str]:
     for name, err in report.get("errors", {}).items():
         lines.append(f"error {name}: {str(err)[:300]}")
     for k in ("tokens_per_s", "hf_tokens_per_s", "hf_variant", "hf_mfu", "mfu", "mfu_vs_gemm_ceiling",
-              "peak_memory_gib", *report.get("ratio_labels", {}), "breakdown", "hf_breakdown", "accumulation", "long_context",
-              "largest_batch", "searches"):
+              "peak_memory_gib", *report.get("ratio_labels", {}), "breakdown", "hf_breakdown", "accumulation",
+              "long_context", "largest_batch", "searches"):
         if k in report:
             val = report[k]
             lines.append(f"{k}: {json.dumps(val, default=str) if isinstance(val, dict) else val}")
