@@ -1,9 +1,10 @@
-"""Kernel benchmark: `python -m launch.bench_kernels [--out FILE] [--quick] [--no-sweep]`.
+"""Kernel benchmark: `python -m launch.bench_kernels [--out FILE] [--quick] [--no-sweep] [--parts ...]`.
 
 Measures the bf16 GEMM and copy-bandwidth ceilings, sweeps the launch parameters of the fused norm and the
-attention kernels (to guide the per-platform tables in pallas_kernels/_platform.py), then times norms and attention
-with the library defaults (Pallas vs XLA, and cuDNN on NVIDIA) at ZAYA1 shapes and writes everything to a JSON file
-with a `ratios` summary. See pallas_kernels/_bench.py for how timings are taken.
+attention kernels (to guide the per-platform tables in pallas_kernels/_platform.py), then times norms, attention
+and CCA's depthwise convolution with the library defaults (Pallas vs XLA, and cuDNN on NVIDIA) at ZAYA1 shapes and
+writes everything to a JSON file with a `ratios` summary (of the parts that ran). See pallas_kernels/_bench.py for
+how timings are taken.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ DKV_CFGS = [dict(dkv_q=32, dkv_k=128, dkv_warps=8, dkv_stages=3, dkv_split=0),
             dict(dkv_q=32, dkv_k=128, dkv_warps=8, dkv_stages=2, dkv_split=0)]
 NORM_FWD = [NormLaunch(1, 8, 4), NormLaunch(1, 16, 2), NormLaunch(2, 16, 2), NormLaunch(1, 8, 8)]
 NORM_BWD = [NormLaunch(1, 16, 1), NormLaunch(1, 16, 2), NormLaunch(1, 8, 4)]
+PARTS = ("norms", "attention", "cca_conv")
 
 
 def main():
@@ -36,7 +38,11 @@ def main():
     ap.add_argument("--out", default="benchmarks/kernels.json")
     ap.add_argument("--quick", action="store_true", help="small shapes only (smoke test)")
     ap.add_argument("--no-sweep", action="store_true", help="use the built-in launch parameters")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {PARTS}")
     args = ap.parse_args()
+    parts = [p for p in args.parts.split(",") if p]
+    if not parts or set(parts) - set(PARTS):
+        raise SystemExit(f"--parts: expected a comma list of {PARTS}, got {args.parts!r}")
     cuda = _platform.vendor() == "cuda"
     report = dict(device=bench.device_summary())
 
@@ -53,7 +59,7 @@ def main():
 
     d_model = 2048
     attn_blocks = _platform.attention_blocks(128)
-    if not args.no_sweep:
+    if not args.no_sweep and "norms" in parts and "attention" in parts:
         print("sweeps", flush=True)
         rows = 4096 if args.quick else 16384
         table, best_fwd, best_bwd = bench.sweep_norm_launch(rows, d_model, NORM_FWD, NORM_BWD)
@@ -67,37 +73,46 @@ def main():
         print(f"  attention best {best}", flush=True)
         save()
 
-    print("norms", flush=True)
-    norm_shapes = [(2048, d_model)] if args.quick else [(8192, d_model), (16384, d_model)]
-    report["norms"] = bench.bench_norms(norm_shapes, copy)
-    save()
+    ratios = {}
+    if "norms" in parts:
+        print("norms", flush=True)
+        norm_shapes = [(2048, d_model)] if args.quick else [(8192, d_model), (16384, d_model)]
+        report["norms"] = bench.bench_norms(norm_shapes, copy)
+        report["norm_launch_used"] = dict(fwd=dataclasses.asdict(_platform.norm_launch(d_model, "fwd")),
+                                          bwd=dataclasses.asdict(_platform.norm_launch(d_model, "bwd")))
+        big_norm = [e for e in report["norms"] if e["kind"] == "merge_rms_norm"][-1]
+        ratios.update(rmsnorm_vs_copy_bandwidth=big_norm["pallas_fwdbwd_vs_copy"],
+                      rmsnorm_fwdbwd_vs_xla=big_norm["fwdbwd_speedup_vs_xla"],
+                      rmsnorm_fwd_vs_copy_bandwidth=big_norm["pallas_fwd_vs_copy"])
+        save()
 
-    print("attention", flush=True)
-    attn_shapes = [(1, 1024, 8, 2, 128)] if args.quick else [(4, 4096, 8, 2, 128), (2, 4096, 8, 2, 128),
-                                                               (1, 32768, 8, 2, 128)]
+    if "attention" in parts:
+        print("attention", flush=True)
+        attn_shapes = [(1, 1024, 8, 2, 128)] if args.quick else [(4, 4096, 8, 2, 128), (2, 4096, 8, 2, 128),
+                                                                   (1, 32768, 8, 2, 128)]
 
-    def impls_for(T):
-        impls = ["pallas"] + (["pallas_positions"] if T == 4096 else []) + (["cudnn"] if cuda else [])
-        return impls + (["xla"] if T <= 8192 else [])  # the reference materialises [B, H, T, T] fp32 scores
+        def impls_for(T):
+            impls = ["pallas"] + (["pallas_positions"] if T == 4096 else []) + (["cudnn"] if cuda else [])
+            return impls + (["xla"] if T <= 8192 else [])  # the reference materialises [B, H, T, T] fp32 scores
 
-    report["attention"] = bench.bench_attention(attn_shapes, impls_for)  # each entry records its tiles
-    report["norm_launch_used"] = dict(fwd=dataclasses.asdict(_platform.norm_launch(d_model, "fwd")),
-                                      bwd=dataclasses.asdict(_platform.norm_launch(d_model, "bwd")))
+        report["attention"] = bench.bench_attention(attn_shapes, impls_for)  # each entry records its tiles
+        main_attn, long_attn = report["attention"][0], report["attention"][-1]
+        ratios.update(
+            attention_fwd_vs_xla=main_attn.get("pallas_fwd_vs_xla"),
+            attention_fwdbwd_vs_xla=main_attn.get("pallas_fwdbwd_vs_xla"),
+            attention_fwd_vs_cudnn=main_attn.get("pallas_fwd_vs_cudnn"),
+            attention_fwdbwd_vs_cudnn=main_attn.get("pallas_fwdbwd_vs_cudnn"),
+            attention_long_fwdbwd_vs_cudnn=long_attn.get("pallas_fwdbwd_vs_cudnn"),
+            attention_fwdbwd_tflops_vs_gemm=main_attn["pallas_fwdbwd_tflops"] / gemm,
+        )
+        save()
 
-    big_norm = [e for e in report["norms"] if e["kind"] == "merge_rms_norm"][-1]
-    main_attn = report["attention"][0]
-    long_attn = report["attention"][-1]
-    ratios = dict(
-        rmsnorm_vs_copy_bandwidth=big_norm["pallas_fwdbwd_vs_copy"],
-        rmsnorm_fwdbwd_vs_xla=big_norm["fwdbwd_speedup_vs_xla"],
-        rmsnorm_fwd_vs_copy_bandwidth=big_norm["pallas_fwd_vs_copy"],
-        attention_fwd_vs_xla=main_attn.get("pallas_fwd_vs_xla"),
-        attention_fwdbwd_vs_xla=main_attn.get("pallas_fwdbwd_vs_xla"),
-        attention_fwd_vs_cudnn=main_attn.get("pallas_fwd_vs_cudnn"),
-        attention_fwdbwd_vs_cudnn=main_attn.get("pallas_fwdbwd_vs_cudnn"),
-        attention_long_fwdbwd_vs_cudnn=long_attn.get("pallas_fwdbwd_vs_cudnn"),
-        attention_fwdbwd_tflops_vs_gemm=main_attn["pallas_fwdbwd_tflops"] / gemm,
-    )
+    if "cca_conv" in parts:  # ZAYA1's CCA channels: (8 query + 2 key heads) x 128
+        print("cca conv", flush=True)
+        conv_shapes = [(1, 128, 256, True)] if args.quick else [(2, 4096, 1280, False), (2, 4096, 1280, True)]
+        report["cca_conv"] = bench.bench_cca_conv(conv_shapes, copy)
+        ratios.update(cca_conv_fwdbwd_vs_xla=report["cca_conv"][0]["fwdbwd_speedup_vs_xla"],
+                      cca_conv_fwdbwd_vs_copy_bandwidth=report["cca_conv"][0]["pallas_fwdbwd_vs_copy"])
     report["ratios"] = ratios
     save()
     print("ratios", flush=True)

@@ -128,6 +128,52 @@ def bench_norms(shapes, copy_tbps: float):
 NORM_PASS_BYTES = {"fwd": 12, "bwd": 18}  # per element of the fused merge: see _norm_fns
 
 
+def _cca_conv_fns(impl: str, t1: int, same_segment):
+    from zaya_jax.ops.cca_conv import depthwise_taps
+
+    def fwd(xp, w1, b1):
+        return depthwise_taps(xp, w1, b1, t1, same_segment, impl=impl)
+
+    def fwd_bwd(xp, w1, b1, dys):
+        ys, pull = jax.vjp(fwd, xp, w1, b1)
+        return ys, pull(dys)
+    return jax.jit(fwd), jax.jit(fwd_bwd)
+
+
+def bench_cca_conv(shapes, copy_tbps: float, t0: int = 2, t1: int = 2):
+    """CCA's depthwise convolution taps (bf16 [B, T + halo, C] in, t1 taps out; the backward reads the input and
+    the t1 tap gradients and writes d input): Pallas vs XLA on the same inputs, bandwidth against the copy
+    ceiling. With `documents`, same-document masks of packed rows (a document boundary every ~64 positions)."""
+    out = []
+    for B, T, C, documents in shapes:
+        k = jax.random.split(jax.random.key(B * T + C), 4)
+        halo = (t0 - 1) + (t1 - 1)
+        xp = _normal(k[0], (B, T + halo, C), BF16)
+        w1, b1 = _normal(k[1], (C, t0), F32, 0.5), _normal(k[2], (C,), F32, 0.1)
+        dys = [_normal(jax.random.fold_in(k[3], j), (B, T, C), BF16) for j in range(t1)]
+        same = None
+        if documents:
+            ids = jnp.broadcast_to(jnp.arange(T) // 64, (B, T))
+            same = {s: (jnp.concatenate([ids[:, :1].repeat(s, 1), ids[:, :-s]], axis=1) == ids).astype(F32)
+                    for s in range(1, halo + 1)}
+        nbytes = {"fwd": (1 + t1) * 2 * B * T * C, "fwdbwd": (1 + t1 + 2 + t1) * 2 * B * T * C}
+        entry = dict(B=B, T=T, C=C, t0=t0, t1=t1, documents=documents)
+        for impl in ("pallas", "xla"):
+            fwd, fwd_bwd = _cca_conv_fns(impl, t1, same)
+            for phase, t in (("fwd", time_call(fwd, xp, w1, b1)), ("fwdbwd", time_call(fwd_bwd, xp, w1, b1, dys))):
+                entry[f"{impl}_{phase}_ms"] = t * 1e3
+                entry[f"{impl}_{phase}_vs_copy"] = nbytes[phase] / t / 1e12 / copy_tbps
+        for phase in ("fwd", "fwdbwd"):
+            entry[f"{phase}_speedup_vs_xla"] = entry[f"xla_{phase}_ms"] / entry[f"pallas_{phase}_ms"]
+        e = entry
+        print(f"  cca conv B={B} T={T} C={C} documents={documents}: fwd {e['pallas_fwd_ms']:.3f} ms "
+              f"({e['pallas_fwd_vs_copy']:.2f} of copy, xla x{e['fwd_speedup_vs_xla']:.2f})  fwd+bwd "
+              f"{e['pallas_fwdbwd_ms']:.3f} ms ({e['pallas_fwdbwd_vs_copy']:.2f} of copy, "
+              f"xla x{e['fwdbwd_speedup_vs_xla']:.2f})", flush=True)
+        out.append(entry)
+    return out
+
+
 def merge_pass_fn(p, phase: str, launch: NormLaunch):
     """The fused merge's forward or backward kernel alone under `launch`, jitted, over a norm_problem dict (the
     backward reads p["rstd"], set here from the table's forward if p has none)."""

@@ -38,7 +38,8 @@ def _parity(cfg, B, T, tol):
     ids = jax.random.randint(jax.random.key(1), (B, T), 3, cfg.vocab_size)
     mask = None  # a padding mask yields NaN gradients in the model's qk-norm itself (sqrt at 0), xla and pallas alike
     ref_logits, ref_grads = _logits_and_grads(cfg, ids, mask)
-    logits, grads = _logits_and_grads(cfg.replace(attention_impl="pallas", norm_impl="pallas"), ids, mask)
+    logits, grads = _logits_and_grads(cfg.replace(attention_impl="pallas", norm_impl="pallas", conv_impl="pallas"),
+                                      ids, mask)
     assert _rel(logits, ref_logits) <= tol
     flat, ref_flat = jax.tree.leaves(grads), jax.tree.leaves(ref_grads)
     assert len(flat) == len(ref_flat)
@@ -80,7 +81,7 @@ def _train_parity(cfg, B, T, tol):
              "source_ids": jnp.zeros((B,), jnp.int32)}
     ref_loss, ref_grads = _train_loss_and_grads(cfg, batch)
     loss, grads = _train_loss_and_grads(cfg.replace(attention_impl="pallas", norm_impl="pallas", ce_impl="pallas",
-                                                    moe_impl="pallas"), batch)
+                                                    moe_impl="pallas", conv_impl="pallas"), batch)
     assert abs(float(loss) - float(ref_loss)) <= tol * abs(float(ref_loss))
     num = sum(float(jnp.sum((a - b) ** 2)) for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)))
     den = sum(float(jnp.sum(b ** 2)) for b in jax.tree.leaves(ref_grads))
@@ -88,7 +89,8 @@ def _train_parity(cfg, B, T, tol):
 
 
 def test_tiny_training_loss_parity_interpret():
-    """Every kernel the trainer selects (attention, norms, cross-entropy, grouped-GEMM experts) against XLA."""
+    """Every kernel the trainer can select (attention, norms, CCA convolution, cross-entropy, grouped-GEMM experts)
+    against XLA."""
     _train_parity(zc.tiny(num_hidden_layers=2, dtype="float32", vocab_size=192, scan_layers=False), B=2, T=20,
                   tol=1e-4)
 

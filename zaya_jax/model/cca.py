@@ -16,6 +16,7 @@ from flax import nnx
 from zaya_jax.config import ModelConfig
 from zaya_jax.model.base import Linear, compute_matmul, dtypes, normal_init
 from zaya_jax.ops import attention as attention_ops
+from zaya_jax.ops import cca_conv as conv_ops
 
 
 @dataclasses.dataclass
@@ -103,26 +104,18 @@ class CCAProjection(nnx.Module):
         Output t reads raw column t - s through offset s = (t1-1-j) + (t0-1-i) (grouped tap j, depthwise tap i);
         same_segment[s] [B, T] zeroes the columns of an earlier document (None: no resets)."""
         cfg = self.cfg
-        t0, t1, P = cfg.cca_time0, cfg.cca_time1, cfg.conv_halo
+        t1 = cfg.cca_time1
         B, Tp, C = xp.shape
-        T = Tp - P
+        T = Tp - cfg.conv_halo
         dt = xp.dtype
-        w1 = self.conv_qk_depthwise.weight[...].astype(jnp.float32)[:, 0, :]  # [C, t0]
-        b1 = self.conv_qk_depthwise.bias[...].astype(jnp.float32)
+        w1 = self.conv_qk_depthwise.weight[...][:, 0, :]  # [C, t0]
         G, d = C // cfg.head_dim, cfg.head_dim
         w2 = self.conv_qk_grouped.weight[...].astype(dt).reshape(G, d, d, t1)  # [group, out, in, tap]
-        xf = xp.astype(jnp.float32)
+        # ys[j]: the depthwise output grouped tap j reads, as seen from each output t
+        ys = conv_ops.depthwise_taps(xp, w1, self.conv_qk_depthwise.bias[...], t1, same_segment, impl=cfg.conv_impl)
         z = self.conv_qk_grouped.bias[...].astype(jnp.float32).reshape(G, d)
-        for j in range(t1):  # the depthwise output the grouped tap j reads, as seen from each output t
-            y = b1
-            for i in range(t0):
-                s = (t1 - 1 - j) + (t0 - 1 - i)
-                col = xf[:, P - s:P - s + T]
-                if same_segment is not None and s:
-                    col = col * same_segment[s][..., None]
-                y = y + col * w1[:, i]
-            y = y.astype(dt).reshape(B, T, G, d)
-            z = z + compute_matmul("btgi,goi->btgo", y, w2[..., j]).astype(jnp.float32)
+        for j, y in enumerate(ys):
+            z = z + compute_matmul("btgi,goi->btgo", y.reshape(B, T, G, d), w2[..., j]).astype(jnp.float32)
         return z.reshape(B, T, C).astype(dt)
 
 

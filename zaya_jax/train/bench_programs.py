@@ -21,7 +21,8 @@ def model_config(preset_name: str, v: Variant, dtype: str):
     """The preset with the variant's overrides; an override the config rejects (e.g. a moe_impl another change has
     not landed yet) raises the config's own error, reported for that variant only."""
     return preset(preset_name, attention_impl=v.attention_impl, remat=v.remat, moe_impl=v.moe_impl,
-                  norm_impl=v.norm_impl, ce_impl=v.ce_impl, dtype=dtype, scan_layers=v.scan_layers)
+                  norm_impl=v.norm_impl, ce_impl=v.ce_impl, conv_impl=v.conv_impl, dtype=dtype,
+                  scan_layers=v.scan_layers)
 
 
 def make_tx(v: Variant) -> optax.GradientTransformation:

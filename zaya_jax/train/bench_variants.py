@@ -19,6 +19,7 @@ class Variant:
     moe_impl: str = "ragged"
     norm_impl: str = "xla"
     ce_impl: str = "xla"
+    conv_impl: str = "xla"
     ce_chunk: int | None = 4096  # None: full [B, T, V] logits
     optimizer: str = "zaya"  # 'zaya' (Muon + AdamW, build_optimizer) | 'adamw' (AdamW on every parameter, like HF)
     kind: str = "step"  # see KINDS
@@ -134,6 +135,8 @@ def extra_variants(batch: int, seq: int, gpu: bool) -> list[Variant]:
         r(fwd_bwd, name="fwd_bwd_xla_norm", norm_impl="xla", note="fwd_bwd with XLA's norms"),
         r(fwd_bwd, name="fwd_bwd_xla_ce", ce_impl="xla", note="fwd_bwd with XLA's softmax cross-entropy"),
         r(fwd_bwd, name="fwd_bwd_ce8192", ce_chunk=8192, note="fwd_bwd, CE chunks of 8192 tokens"),
+        r(fwd_bwd, name="fwd_bwd_pallas_conv", conv_impl="pallas" if gpu else "xla",
+          note="fwd_bwd with the Pallas CCA depthwise-convolution kernels"),
         # accum16 under one change each (accum16 itself: cast once, per-layer view, 4 gradients per pass)
         r(accum16, name="accum16_cast_per_micro", cast_weights_once=False,
           note="accum16 with the weights cast to bf16 in every microbatch (no compute_view)"),
@@ -143,6 +146,8 @@ def extra_variants(batch: int, seq: int, gpu: bool) -> list[Variant]:
         *(r(accum16, name=f"accum16_grads_per_pass{m}", grads_per_pass=m,
             note=f"accum16 with the gradients of {m} microbatch(es) added to the fp32 sum in one pass")
           for m in (1, 2)),
+        r(accum16, name="accum16_pallas_conv", conv_impl="pallas" if gpu else "xla",
+          note="accum16 with the Pallas CCA depthwise-convolution kernels"),
     ]
 
 
