@@ -3,8 +3,9 @@ custom VJP. Same contract and numerics as `zaya_jax.ops.cca_conv.depthwise_taps_
 
     depthwise_taps(xp [B, T + P, C], w1 [C, t0], b1 [C], t1, same_segment) -> t1 arrays [B, T, C] in xp.dtype
 
-Forward: a program owns a [rows, channels] tile of every output tap; it reads the P + 1 shifted views of its
-input rows (they overlap, so they come from cache) and forms each tap in fp32, rounded once. Backward: a program
+Forward: a program owns a [rows, channels] tile of every output tap; it reads each of the P + 1 shifted views of
+its input rows once (they overlap, so most of it comes from cache) and adds it to every tap that uses it, in fp32,
+rounded once. Backward: a program
 owns a tile of d xp rows u and reads the output-tap gradients at u - P + s for every offset s, so one pass gives
 d xp and the tile's partial sums of d w1 (x . dy over its rows) and d b1; the partials are summed afterwards in
 fp32. Shifted reads are row gathers clamped into the array and zeroed outside it (nothing is padded or copied);
@@ -28,7 +29,7 @@ from zaya_jax.ops.cca_conv import tap_offset
 F32 = jnp.float32
 
 # (time rows, channels, warps) per program: the kernels are bandwidth-bound elementwise passes
-_TILES = {"cuda": (64, 128, 4), "rocm": (64, 128, 4), "cpu": (16, 32, 4)}
+_TILES = {"cuda": (64, 128, 8), "rocm": (64, 128, 4), "cpu": (16, 32, 4)}  # 256 lanes: 32 fp32 per tile
 
 
 def _tiles(T: int, C: int):
@@ -71,18 +72,18 @@ def _fwd_kernel(x_ref, w_ref, b_ref, *rest, t0, t1, P, T, rows, has_seg):
     m_ref = rest[0] if has_seg else None
     y_refs = rest[1:] if has_seg else rest
     start = pl.program_id(1) * rows
-    bias = b_ref[...].astype(F32)[None, :]
-    cols = {}  # the P + 1 shifted input views, each read once for all taps
-    for s in range(P + 1):
+    acc = [jnp.broadcast_to(b_ref[...].astype(F32)[None, :], (rows, b_ref.shape[0])) for _ in range(t1)]
+    for s in range(P + 1):  # each shifted input view read once, added to every tap that reads it
         col = _load_rows(x_ref, start + P - s, rows, T + P)
-        cols[s] = col * _load_mask(m_ref, s, start, rows, T) if has_seg and s else col
-    ok = (start + jnp.arange(rows)) < T
+        if has_seg and s:
+            col = col * _load_mask(m_ref, s, start, rows, T)
+        for j in range(t1):
+            i = (t0 - 1) - (s - (t1 - 1 - j))  # the depthwise tap at offset s for grouped tap j
+            if 0 <= i < t0:
+                acc[j] = acc[j] + col * w_ref[i, :].astype(F32)[None, :]
+    ok = jnp.broadcast_to(((start + jnp.arange(rows)) < T)[:, None], acc[0].shape)
     for j in range(t1):
-        acc = bias
-        for i in range(t0):
-            acc = acc + cols[tap_offset(j, i, t0, t1)] * w_ref[i, :].astype(F32)[None, :]
-        plgpu.store(y_refs[j].at[pl.ds(start, rows), :], acc.astype(y_refs[j].dtype),
-                    mask=jnp.broadcast_to(ok[:, None], acc.shape))
+        plgpu.store(y_refs[j].at[pl.ds(start, rows), :], acc[j].astype(y_refs[j].dtype), mask=ok)
 
 
 def _weights(w1, b1, t0: int):
