@@ -5,10 +5,9 @@ custom VJP. Same contract and numerics as `zaya_jax.ops.cca_conv.depthwise_taps_
 
 Forward: a program owns a [rows, channels] tile of every output tap; it reads each of the P + 1 shifted views of
 its input rows once (they overlap, so most of it comes from cache) and adds it to every tap that uses it, in fp32,
-rounded once. Backward: a program
-owns a tile of d xp rows u and reads the output-tap gradients at u - P + s for every offset s, so one pass gives
-d xp and the tile's partial sums of d w1 (x . dy over its rows) and d b1; the partials are summed afterwards in
-fp32. Shifted reads are row gathers clamped into the array and zeroed outside it (nothing is padded or copied);
+rounded once. Backward: a program owns a tile of d xp rows u and reads the output-tap gradients at u - P + s for
+every offset s, so one pass gives d xp and the tile's partial sums of d w1 (x . dy over its rows) and d b1; the
+partials are summed afterwards in fp32. Shifted reads are row gathers clamped into the array and zeroed outside it (nothing is padded or copied);
 the last tile's stores are masked. Inside shard_map (check_vma) the kernels run on inputs made varying over all
 their axes, and the weight gradients are summed back to their primals' types (`_vma`).
 """
@@ -78,17 +77,18 @@ def _fwd_kernel(x_ref, w_ref, b_ref, *rest, t0, t1, P, T, rows, has_seg):
         if has_seg and s:
             col = col * _load_mask(m_ref, s, start, rows, T)
         for j in range(t1):
-            i = (t0 - 1) - (s - (t1 - 1 - j))  # the depthwise tap at offset s for grouped tap j
-            if 0 <= i < t0:
-                acc[j] = acc[j] + col * w_ref[i, :].astype(F32)[None, :]
+            for i in range(t0):
+                if tap_offset(j, i, t0, t1) == s:
+                    acc[j] = acc[j] + col * w_ref[i, :].astype(F32)[None, :]
     ok = jnp.broadcast_to(((start + jnp.arange(rows)) < T)[:, None], acc[0].shape)
     for j in range(t1):
         plgpu.store(y_refs[j].at[pl.ds(start, rows), :], acc[j].astype(y_refs[j].dtype), mask=ok)
 
 
-def _weights(w1, b1, t0: int):
-    w = w1.astype(F32).T  # [t0, C], padded to a power-of-two number of taps
-    return jnp.pad(w, ((0, _platform.next_pow2(t0) - t0), (0, 0))), None if b1 is None else b1.astype(F32)
+def _tap_weights(w1):
+    """[C, t0] -> [t0', C] fp32 (t0' = t0 rounded up to a power of two, a Triton block dimension)."""
+    t0 = w1.shape[1]
+    return jnp.pad(w1.astype(F32).T, ((0, _platform.next_pow2(t0) - t0), (0, 0)))
 
 
 def _forward(xp, w1, b1, masks, *, t1: int, T: int):
@@ -96,8 +96,7 @@ def _forward(xp, w1, b1, masks, *, t1: int, T: int):
     t0 = w1.shape[1]
     P = Tp - T
     rows, bc, warps = _tiles(T, C)
-    w, b = _weights(w1, b1, t0)
-    x, w, b, m = _vma.vary_to_union(xp, w, b, masks)
+    x, w, b, m = _vma.vary_to_union(xp, _tap_weights(w1), b1.astype(F32), masks)
     column = pl.BlockSpec((None, Tp, bc), lambda n, i, c: (n, 0, c))
     in_specs = [column, pl.BlockSpec((w.shape[0], bc), lambda n, i, c: (0, c)),
                 pl.BlockSpec((bc,), lambda n, i, c: (c,))]
@@ -149,8 +148,7 @@ def _backward(xp, w1, masks, dys, *, T: int):
     P = Tp - T
     rows, bc, warps = _tiles(T, C)
     nU = pl.cdiv(Tp, rows)
-    w, _ = _weights(w1, None, t0)
-    x, w, m, *g = _vma.vary_to_union(xp, w, masks, *dys)
+    x, w, m, *g = _vma.vary_to_union(xp, _tap_weights(w1), masks, *dys)
     in_specs = ([pl.BlockSpec((None, Tp, bc), lambda n, i, c: (n, 0, c)),
                  pl.BlockSpec((w.shape[0], bc), lambda n, i, c: (0, c))]
                 + [pl.BlockSpec((None, T, bc), lambda n, i, c: (n, 0, c))] * t1)
