@@ -20,8 +20,10 @@ from pallas_kernels import _attention_kernels as attn_kern
 from pallas_kernels import _norm_kernels as norm_kern
 from pallas_kernels import _platform, cca_attention, rmsnorm
 from pallas_kernels._platform import AttentionBlocks, NormLaunch
+from zaya_jax.model.cca import same_segment_masks
 from zaya_jax.ops import attention as attn_ops
 from zaya_jax.ops import rmsnorm as norm_ops
+from zaya_jax.ops.cca_conv import depthwise_taps, halo
 from zaya_jax.systems.timing import calls_for, seconds_per_call
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -129,8 +131,6 @@ NORM_PASS_BYTES = {"fwd": 12, "bwd": 18}  # per element of the fused merge: see 
 
 
 def _cca_conv_fns(impl: str, t1: int, same_segment):
-    from zaya_jax.ops.cca_conv import depthwise_taps
-
     def fwd(xp, w1, b1):
         return depthwise_taps(xp, w1, b1, t1, same_segment, impl=impl)
 
@@ -147,15 +147,11 @@ def bench_cca_conv(shapes, copy_tbps: float, t0: int = 2, t1: int = 2):
     out = []
     for B, T, C, documents in shapes:
         k = jax.random.split(jax.random.key(B * T + C), 4)
-        halo = (t0 - 1) + (t1 - 1)
-        xp = _normal(k[0], (B, T + halo, C), BF16)
+        P = halo(t0, t1)
+        xp = _normal(k[0], (B, T + P, C), BF16)
         w1, b1 = _normal(k[1], (C, t0), F32, 0.5), _normal(k[2], (C,), F32, 0.1)
         dys = [_normal(jax.random.fold_in(k[3], j), (B, T, C), BF16) for j in range(t1)]
-        same = None
-        if documents:
-            ids = jnp.broadcast_to(jnp.arange(T) // 64, (B, T))
-            same = {s: (jnp.concatenate([ids[:, :1].repeat(s, 1), ids[:, :-s]], axis=1) == ids).astype(F32)
-                    for s in range(1, halo + 1)}
+        same = same_segment_masks(jnp.broadcast_to(jnp.arange(T) // 64, (B, T)), P) if documents else None
         nbytes = {"fwd": (1 + t1) * 2 * B * T * C, "fwdbwd": (1 + t1 + 2 + t1) * 2 * B * T * C}
         entry = dict(B=B, T=T, C=C, t0=t0, t1=t1, documents=documents)
         for impl in ("pallas", "xla"):

@@ -23,7 +23,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _platform
 from pallas_kernels import _vma
-from zaya_jax.ops.cca_conv import tap_offset
+from zaya_jax.ops.cca_conv import halo, tap_offset
 
 F32 = jnp.float32
 
@@ -172,7 +172,7 @@ def _backward(xp, w1, masks, dys, *, T: int):
 # -------------------------------------------------------------------------------------------------- custom VJP
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _taps(xp, w1, b1, masks, t1):
-    return tuple(_forward(xp, w1, b1, masks, t1=t1, T=xp.shape[1] - (w1.shape[1] - 1) - (t1 - 1)))
+    return tuple(_forward(xp, w1, b1, masks, t1=t1, T=xp.shape[1] - halo(w1.shape[1], t1)))
 
 
 def _taps_fwd(xp, w1, b1, masks, t1):
@@ -191,7 +191,7 @@ _taps.defvjp(_taps_fwd, _taps_bwd)
 
 def depthwise_taps(xp, w1, b1, t1: int, same_segment=None):
     t0 = w1.shape[1]
-    P = (t0 - 1) + (t1 - 1)
+    P = halo(t0, t1)
     B, Tp, C = xp.shape
     if w1.shape[0] != C or b1.shape != (C,) or Tp <= P:
         raise ValueError(f"depthwise_taps: need xp [B, T + {P}, C], w1 [C, {t0}], b1 [C]; got {xp.shape}, "

@@ -9,20 +9,19 @@ from jax.sharding import PartitionSpec as P
 from test_pallas_rmsnorm import TOL, rel_err
 
 from pallas_kernels import _platform, _vma
-from zaya_jax.ops.cca_conv import depthwise_taps, depthwise_taps_reference
+from zaya_jax.model.cca import same_segment_masks
+from zaya_jax.ops.cca_conv import depthwise_taps, depthwise_taps_reference, halo
 
 
 def problem(seed, B, T, C, t0, t1, segments, dtype):
     k = jax.random.split(jax.random.key(seed), 5)
-    halo = (t0 - 1) + (t1 - 1)
-    xp = jax.random.normal(k[0], (B, T + halo, C)).astype(dtype)
+    P = halo(t0, t1)
+    xp = jax.random.normal(k[0], (B, T + P, C)).astype(dtype)
     w1 = 0.5 * jax.random.normal(k[1], (C, t0))
     b1 = 0.1 * jax.random.normal(k[2], (C,))
     same = None
     if segments:  # documents packed in each row: some columns of the halo belong to the previous one
-        ids = jnp.cumsum(jax.random.bernoulli(k[3], 0.15, (B, T)), axis=1)
-        same = {s: (jnp.concatenate([ids[:, :1].repeat(s, 1), ids[:, :-s]], axis=1) == ids).astype(jnp.float32)
-                for s in range(1, halo + 1)}
+        same = same_segment_masks(jnp.cumsum(jax.random.bernoulli(k[3], 0.15, (B, T)), axis=1), P)
     cotangents = [jax.random.normal(jax.random.fold_in(k[4], j), (B, T, C)).astype(dtype) for j in range(t1)]
     return xp, w1, b1, same, cotangents
 

@@ -79,7 +79,7 @@ class CCAProjection(nnx.Module):
             state = exchange(tail, start)
         prefix = jnp.zeros((B, P, qk.shape[-1]), dt) if state is None or state.conv is None else state.conv.astype(dt)
         qk_padded = jnp.concatenate([prefix, qk], axis=1)
-        z = self._convolve(qk_padded, _same_segment(segment_ids, P))
+        z = self._convolve(qk_padded, same_segment_masks(segment_ids, P))
         q = z[..., : H * d].reshape(B, T, H, d) + q_res
         k = z[..., H * d:].reshape(B, T, KV, d) + k_res
 
@@ -119,7 +119,7 @@ class CCAProjection(nnx.Module):
         return z.reshape(B, T, C).astype(dt)
 
 
-def _same_segment(segment_ids, P: int):
+def same_segment_masks(segment_ids, P: int):
     """{s: [B, T] float, 1 where position t - s is in t's document} for s = 1..P (positions before the chunk
     count as the same document: their state comes from a cache or a context-parallel neighbour)."""
     if segment_ids is None:

@@ -20,6 +20,11 @@ F32 = jnp.float32
 IMPLS = ("xla", "pallas")
 
 
+def halo(t0: int, t1: int) -> int:
+    """Columns before t = 0 that the two convolutions read (P)."""
+    return (t0 - 1) + (t1 - 1)
+
+
 def tap_offset(j: int, i: int, t0: int, t1: int) -> int:
     """Columns back from output t that depthwise tap i feeding grouped tap j reads."""
     return (t1 - 1 - j) + (t0 - 1 - i)
@@ -27,7 +32,7 @@ def tap_offset(j: int, i: int, t0: int, t1: int) -> int:
 
 def depthwise_taps_reference(xp, w1, b1, t1: int, same_segment=None):
     t0 = w1.shape[1]
-    P = (t0 - 1) + (t1 - 1)
+    P = halo(t0, t1)
     T = xp.shape[1] - P
     xf, w1, b1 = xp.astype(F32), w1.astype(F32), b1.astype(F32)
     ys = []
