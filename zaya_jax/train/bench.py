@@ -32,8 +32,9 @@ tokens/s (fwd+bwd 77.2 ms, Muon + AdamW update 125.5 ms) vs HF + torch.compile 1
 sides 1.16x HF; 64 microbatches through the trainer (4 gradients per pass) 108.3k against HF's measured 64-microbatch
 step 90.2k (1.20x; the figure derived from HF's separately timed fwd+bwd and AdamW step, 85.2k, undercounts HF:
 each of those passes was timed alone from an idle GPU; 1.19x in train_h200_repeat.json), the update alone 2.6% of
-that step. Head chunks of 8192 tokens instead of 4096: fwd_bwd 76.1 against 79.6 ms, the 64-microbatch step 0.8%
-faster at 2 GiB more (benchmarks/train_h200_ce_chunk_ab.json).
+that step (head chunks of 4096 tokens then). Head chunks of 8192 tokens, what configs/zaya1_base.py trains with and the
+default since: fwd_bwd 76.1 against 79.6 ms, the 64-microbatch step 0.8% faster at 2 GiB more
+(benchmarks/train_h200_ce_chunk_ab.json).
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def parse_args(argv=None):
     ap.add_argument("--ladder-remat", default="none")
     ap.add_argument("--memory-limit-gib", type=float, default=None,
                     help="plan the searches against this limit instead of the allocator's (tests on the CPU)")
-    ap.add_argument("--ce-chunk", type=int, default=4096)
+    # the head chunk configs/zaya1_base.py trains with (4096 measured 0.8% slower at 64 microbatches, 2 GiB less)
+    ap.add_argument("--ce-chunk", type=int, default=8192)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--hf-python", default=sys.executable)
     ap.add_argument("--hf-experts", default="grouped_mm")

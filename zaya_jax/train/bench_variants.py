@@ -20,7 +20,7 @@ class Variant:
     norm_impl: str = "xla"
     ce_impl: str = "xla"
     conv_impl: str = "xla"
-    ce_chunk: int | None = 4096  # None: full [B, T, V] logits
+    ce_chunk: int | None = 8192  # None: full [B, T, V] logits (launch.bench_train --ce-chunk sets every variant's)
     optimizer: str = "zaya"  # 'zaya' (Muon + AdamW, build_optimizer) | 'adamw' (AdamW on every parameter, like HF)
     kind: str = "step"  # see KINDS
     accum: int = 1  # kind 'accum': microbatches (each batch x seq) of one optimizer step, the trainer's program
@@ -134,7 +134,7 @@ def extra_variants(batch: int, seq: int, gpu: bool) -> list[Variant]:
           note="fwd_bwd with cuDNN's attention"),
         r(fwd_bwd, name="fwd_bwd_xla_norm", norm_impl="xla", note="fwd_bwd with XLA's norms"),
         r(fwd_bwd, name="fwd_bwd_xla_ce", ce_impl="xla", note="fwd_bwd with XLA's softmax cross-entropy"),
-        r(fwd_bwd, name="fwd_bwd_ce8192", ce_chunk=8192, note="fwd_bwd, CE chunks of 8192 tokens"),
+        r(fwd_bwd, name="fwd_bwd_ce4096", ce_chunk=4096, note="fwd_bwd, CE chunks of 4096 tokens"),
         r(fwd_bwd, name="fwd_bwd_pallas_conv", conv_impl="pallas" if gpu else "xla",
           note="fwd_bwd with the Pallas CCA depthwise-convolution kernels"),
         # accum16 under one change each (accum16 itself: cast once, per-layer view, 4 gradients per pass)
