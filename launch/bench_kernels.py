@@ -107,9 +107,10 @@ def main():
         )
         save()
 
-    if "cca_conv" in parts:  # ZAYA1's CCA channels: (8 query + 2 key heads) x 128
-        print("cca conv", flush=True)
-        conv_shapes = [(1, 128, 256, True)] if args.quick else [(2, 4096, 1280, False), (2, 4096, 1280, True)]
+    if "cca_conv" in parts:  # ZAYA1's CCA heads: 8 query + 2 key heads of 128 channels
+        print("cca q/k mixing", flush=True)
+        conv_shapes = ([(1, 128, 2, 1, 64, True)] if args.quick
+                       else [(2, 4096, 8, 2, 128, False), (2, 4096, 8, 2, 128, True)])
         report["cca_conv"] = bench.bench_cca_conv(conv_shapes, copy)
         ratios.update(cca_conv_fwdbwd_vs_xla=report["cca_conv"][0]["fwdbwd_speedup_vs_xla"],
                       cca_conv_fwdbwd_vs_copy_bandwidth=report["cca_conv"][0]["pallas_fwdbwd_vs_copy"])

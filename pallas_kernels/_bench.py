@@ -23,7 +23,7 @@ from pallas_kernels._platform import AttentionBlocks, NormLaunch
 from zaya_jax.model.cca import same_segment_masks
 from zaya_jax.ops import attention as attn_ops
 from zaya_jax.ops import rmsnorm as norm_ops
-from zaya_jax.ops.cca_conv import depthwise_taps, halo
+from zaya_jax.ops.cca_conv import halo, qk_mix
 from zaya_jax.systems.timing import calls_for, seconds_per_call
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -130,39 +130,43 @@ def bench_norms(shapes, copy_tbps: float):
 NORM_PASS_BYTES = {"fwd": 12, "bwd": 18}  # per element of the fused merge: see _norm_fns
 
 
-def _cca_conv_fns(impl: str, t1: int, same_segment):
-    def fwd(xp, w1, b1):
-        return depthwise_taps(xp, w1, b1, t1, same_segment, impl=impl)
+def _cca_conv_fns(impl: str, heads: int, same_segment):
+    def fwd(xp, w1, b1, w2, b2):
+        return qk_mix(xp, w1, b1, w2, b2, heads, same_segment, impl=impl)
 
-    def fwd_bwd(xp, w1, b1, dys):
-        ys, pull = jax.vjp(fwd, xp, w1, b1)
-        return ys, pull(dys)
+    def fwd_bwd(xp, w1, b1, w2, b2, dout):
+        out, pull = jax.vjp(fwd, xp, w1, b1, w2, b2)
+        return out, pull(dout)
     return jax.jit(fwd), jax.jit(fwd_bwd)
 
 
 def bench_cca_conv(shapes, copy_tbps: float, t0: int = 2, t1: int = 2):
-    """CCA's depthwise convolution taps (bf16 [B, T + halo, C] in, t1 taps out; the backward reads the input and
-    the t1 tap gradients and writes d input): Pallas vs XLA on the same inputs, bandwidth against the copy
-    ceiling. With `documents`, same-document masks of packed rows (a document boundary every ~64 positions)."""
+    """CCA's q/k mixing (both convolutions and the mean residual paths; bf16 [B, T + halo, C] in, [B, T, C] out):
+    Pallas vs XLA on the same inputs, bandwidth against the copy ceiling counting the arrays the op must move (forward:
+    xp in, out; backward: xp and d out in, d xp out). With `documents`, same-document masks of packed rows (a
+    document boundary every ~64 positions)."""
     out = []
-    for B, T, C, documents in shapes:
-        k = jax.random.split(jax.random.key(B * T + C), 4)
-        P = halo(t0, t1)
+    for B, T, heads, kv, d, documents in shapes:
+        k = jax.random.split(jax.random.key(B * T + heads), 6)
+        P, G = halo(t0, t1), heads + kv
+        C = G * d
         xp = _normal(k[0], (B, T + P, C), BF16)
         w1, b1 = _normal(k[1], (C, t0), F32, 0.5), _normal(k[2], (C,), F32, 0.1)
-        dys = [_normal(jax.random.fold_in(k[3], j), (B, T, C), BF16) for j in range(t1)]
+        w2, b2 = _normal(k[3], (G, d, d, t1), BF16, d ** -0.5), _normal(k[4], (C,), F32, 0.1)
+        dout = _normal(k[5], (B, T, C), BF16)
         same = same_segment_masks(jnp.broadcast_to(jnp.arange(T) // 64, (B, T)), P) if documents else None
-        nbytes = {"fwd": (1 + t1) * 2 * B * T * C, "fwdbwd": (1 + t1 + 2 + t1) * 2 * B * T * C}
-        entry = dict(B=B, T=T, C=C, t0=t0, t1=t1, documents=documents)
+        nbytes = {"fwd": 2 * 2 * B * T * C, "fwdbwd": 5 * 2 * B * T * C}
+        entry = dict(B=B, T=T, heads=heads, kv=kv, d=d, t0=t0, t1=t1, documents=documents)
         for impl in ("pallas", "xla"):
-            fwd, fwd_bwd = _cca_conv_fns(impl, t1, same)
-            for phase, t in (("fwd", time_call(fwd, xp, w1, b1)), ("fwdbwd", time_call(fwd_bwd, xp, w1, b1, dys))):
+            fwd, fwd_bwd = _cca_conv_fns(impl, heads, same)
+            for phase, t in (("fwd", time_call(fwd, xp, w1, b1, w2, b2)),
+                             ("fwdbwd", time_call(fwd_bwd, xp, w1, b1, w2, b2, dout))):
                 entry[f"{impl}_{phase}_ms"] = t * 1e3
                 entry[f"{impl}_{phase}_vs_copy"] = nbytes[phase] / t / 1e12 / copy_tbps
         for phase in ("fwd", "fwdbwd"):
             entry[f"{phase}_speedup_vs_xla"] = entry[f"xla_{phase}_ms"] / entry[f"pallas_{phase}_ms"]
         e = entry
-        print(f"  cca conv B={B} T={T} C={C} documents={documents}: fwd {e['pallas_fwd_ms']:.3f} ms "
+        print(f"  cca qk mix B={B} T={T} heads={heads}+{kv}x{d} documents={documents}: fwd {e['pallas_fwd_ms']:.3f} ms "
               f"({e['pallas_fwd_vs_copy']:.2f} of copy, xla x{e['fwd_speedup_vs_xla']:.2f})  fwd+bwd "
               f"{e['pallas_fwdbwd_ms']:.3f} ms ({e['pallas_fwdbwd_vs_copy']:.2f} of copy, "
               f"xla x{e['fwdbwd_speedup_vs_xla']:.2f})", flush=True)

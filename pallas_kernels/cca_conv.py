@@ -1,23 +1,33 @@
-"""CCA's depthwise causal convolution taps as Pallas kernels (Triton lowering; interpret mode on the CPU), with a
-custom VJP. Same contract and numerics as `zaya_jax.ops.cca_conv.depthwise_taps_reference`:
+"""CCA's query/key mixing as Pallas kernels (Triton lowering; interpret mode on the CPU), with a custom VJP. Same
+contract and numerics as `zaya_jax.ops.cca_conv.qk_mix_reference` (the rounding points of the reference kept):
 
-    depthwise_taps(xp [B, T + P, C], w1 [C, t0], b1 [C], t1, same_segment) -> t1 arrays [B, T, C] in xp.dtype
+    qk_mix(xp [B, T + P, C], w1 [C, t0], b1 [C], w2 [G, d, d, t1], b2 [C], heads, same_segment) -> [B, T, C]
 
-Forward: a program owns a [rows, channels] tile of every output tap; it reads each of the P + 1 shifted views of
-its input rows once (they overlap, so most of it comes from cache) and adds it to every tap that uses it, in fp32,
-rounded once. Backward: a program owns a tile of d xp rows u and reads the output-tap gradients at u - P + s for
-every offset s, so one pass gives d xp and the tile's partial sums of d w1 (x . dy over its rows) and d b1; the
-partials are summed afterwards in fp32. Shifted reads are row gathers clamped into the array and zeroed outside it (nothing is padded or copied);
-the last tile's stores are masked. Inside shard_map (check_vma) the kernels run on inputs made varying over all
-their axes, and the weight gradients are summed back to their primals' types (`_vma`).
+Forward, one kernel: a program owns `rows` time rows of one head's d channels (grid: batch x row tiles x heads). It
+reads the P + 1 shifted views of its input rows once, forms the t1 depthwise taps in fp32 (rounded as the reference
+rounds them), multiplies each by the head's d x d grouped-conv tap on the tensor cores, adds the bias and the head's
+mean residual (a query head: (q + k) / 2 with its KV head's k; a KV head: the mean of that over its query heads, whose
+projections it reads too) and writes the head's output once.
+
+Backward, two kernels. (A) grouped convolution and residual paths, per (batch, head, chunk of row tiles, tap): d y_j =
+dout . w2_j is written, d w2_j (the tap recomputed from xp) and d b2 are summed over the chunk's rows in registers,
+and the tap-0 programs write the residual paths' gradient. (B) the depthwise convolution, per (batch, tile of xp rows u,
+channel tile): reads d y_j at u - P + s for every offset s, so one pass gives d xp (plus the residual gradient of
+row u) and the tile's partial sums of d w1 and d b1. All partial sums are added afterwards in fp32.
+
+Shifted reads are row gathers clamped into the array and zeroed outside it (nothing is padded or copied); the last
+tile's stores are masked. Inside shard_map (check_vma) the kernels run on inputs made varying over all their axes, and
+the weight gradients are summed back to their primals' types (`_vma`).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -26,26 +36,26 @@ from pallas_kernels import _vma
 from zaya_jax.ops.cca_conv import halo, tap_offset
 
 F32 = jnp.float32
+_NT = (((1,), (1,)), ((), ()))  # a @ bᵀ
+_NN = (((1,), (0,)), ((), ()))  # a @ b
+_TN = (((0,), (0,)), ((), ()))  # aᵀ @ b
 
-# (time rows, channels, warps) per program: the kernels are bandwidth-bound elementwise passes
-_TILES = {"cuda": (64, 128, 8), "rocm": (64, 128, 4), "cpu": (16, 32, 4)}  # 256 lanes: 32 fp32 per tile
+# (time rows, forward warps, backward (A) warps) of a head's tile: one warp group holds the forward's [rows, d] matmul
+# tiles, two the backward's [d, d] fp32 weight-gradient sum; (time rows, channels, warps) of the depthwise backward
+# (B), a bandwidth-bound elementwise pass
+_HEAD_TILES = {"cuda": (64, 4, 8), "rocm": (64, 2, 4), "cpu": (16, 4, 4)}
+_DW_TILES = {"cuda": (64, 128, 8), "rocm": (64, 128, 4), "cpu": (16, 32, 4)}
+_PROGRAMS_PER_CU = 2  # backward (A): enough (batch, head, chunk, tap) programs to fill the GPU about twice
 
 
-def _tiles(T: int, C: int):
-    rows, chans, warps = _TILES[_platform.vendor()]
-    bc = 1
-    while bc * 2 <= chans and C % (bc * 2) == 0:  # a power of two dividing C: no channel padding
-        bc *= 2
-    return min(rows, max(16, _platform.next_pow2(T))), bc, warps
+def _precision(dtype):
+    # fp32 operands: full-precision dots (Triton would otherwise use TF32); bf16: the tensor cores' native path.
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == F32 else None
 
 
-def _masks(same_segment, P: int, B: int):
-    """[P', B, T] fp32 (P' = P rounded up to a power of two): row s-1 is same_segment[s]; None without segments."""
-    if same_segment is None or P == 0:
-        return None
-    rows = [same_segment[s].astype(F32) for s in range(1, P + 1)]
-    rows += [jnp.zeros_like(rows[0])] * (_platform.next_pow2(P) - P)
-    return jnp.stack(rows)
+def _head_tiles(T: int) -> tuple[int, int, int]:
+    rows, fwd_warps, bwd_warps = _HEAD_TILES[_platform.vendor()]
+    return min(rows, max(16, _platform.next_pow2(T))), fwd_warps, bwd_warps
 
 
 def _row_index(first, rows: int, n: int):
@@ -66,23 +76,109 @@ def _load_mask(ref, s: int, first, rows: int, n: int):
     return jnp.where(ok, ref[s - 1, idx], 0.0)[:, None]
 
 
-# ------------------------------------------------------------------------------------------------------ forward
-def _fwd_kernel(x_ref, w_ref, b_ref, *rest, t0, t1, P, T, rows, has_seg):
-    m_ref = rest[0] if has_seg else None
-    y_refs = rest[1:] if has_seg else rest
-    start = pl.program_id(1) * rows
-    acc = [jnp.broadcast_to(b_ref[...].astype(F32)[None, :], (rows, b_ref.shape[0])) for _ in range(t1)]
-    for s in range(P + 1):  # each shifted input view read once, added to every tap that reads it
+def _store_rows(ref, first, value, n: int):
+    """ref[first + r, :] = value[r] for the rows below n."""
+    ok = (first + jnp.arange(value.shape[0])) < n
+    plgpu.store(ref.at[pl.ds(first, value.shape[0]), :], value.astype(ref.dtype),
+                mask=jnp.broadcast_to(ok[:, None], value.shape))
+
+
+def _round(x, dtype):
+    """x rounded to dtype, back in fp32 (a no-op for fp32)."""
+    return x.astype(dtype).astype(F32)
+
+
+def _shifted_views(x_ref, m_ref, start, rows: int, *, P: int, T: int, offsets=None):
+    """{s: xp rows start + P - s .. (fp32), times same_segment[s] of the output rows} for s in offsets (0 .. P)."""
+    views = {}
+    for s in range(P + 1) if offsets is None else sorted(set(offsets)):
         col = _load_rows(x_ref, start + P - s, rows, T + P)
-        if has_seg and s:
+        if m_ref is not None and s:
             col = col * _load_mask(m_ref, s, start, rows, T)
-        for j in range(t1):
-            for i in range(t0):
-                if tap_offset(j, i, t0, t1) == s:
-                    acc[j] = acc[j] + col * w_ref[i, :].astype(F32)[None, :]
-    ok = jnp.broadcast_to(((start + jnp.arange(rows)) < T)[:, None], acc[0].shape)
+        views[s] = col
+    return views
+
+
+def _tap(views, w1_ref, b1_ref, j: int, *, t0: int, t1: int, dtype):
+    """Depthwise tap j of the viewed rows, summed in the reference's order and rounded to dtype (fp32 values)."""
+    y = b1_ref[...][None, :]
+    for i in range(t0):
+        y = y + views[tap_offset(j, i, t0, t1)] * w1_ref[i, :][None, :]
+    return _round(y, dtype)
+
+
+def _query_residual(q, k, dtype):
+    return _round(_round(q + k, dtype) * 0.5, dtype)
+
+
+def _head_specs(B: int, Tp: int, d: int, heads: int, kv: int, head_axis: int):
+    """BlockSpecs of the [B, Tp, C] input seen per head (grid axis `head_axis` is the head g, axis 0 the batch): the
+    head's own channels, its KV head's (query heads) and the query heads of its group (KV heads)."""
+    group = heads // kv
+
+    def spec(block_of):
+        return pl.BlockSpec((None, Tp, d), lambda *p: (p[0], 0, block_of(p[head_axis])))
+
+    own = spec(lambda g: g)
+    kv_head = spec(lambda g: heads + lax.div(jnp.minimum(g, heads - 1), group))
+    group_heads = [spec(lambda g, h=h: jnp.minimum(jnp.maximum(g - heads, 0), kv - 1) * group + h)
+                   for h in range(group)]
+    return own, kv_head, group_heads
+
+
+# ------------------------------------------------------------------------------------------------------ forward
+def _fwd_kernel(x_ref, xkv_ref, *rest, t0, t1, P, T, rows, heads, group, has_seg, precision):
+    xq_refs, (w1_ref, b1_ref, w2_ref, b2_ref), rest = rest[:group], rest[group:group + 4], rest[group + 4:]
+    m_ref, o_ref = (rest[0], rest[1]) if has_seg else (None, rest[0])
+    dt = o_ref.dtype
+    g = pl.program_id(2)
+    start = pl.program_id(1) * rows
+    views = _shifted_views(x_ref, m_ref, start, rows, P=P, T=T)
+    z = b2_ref[...][None, :]
     for j in range(t1):
-        plgpu.store(y_refs[j].at[pl.ds(start, rows), :], acc[j].astype(y_refs[j].dtype), mask=ok)
+        y = _tap(views, w1_ref, b1_ref, j, t0=t0, t1=t1, dtype=dt).astype(dt)
+        z = z + _round(lax.dot_general(y, w2_ref[j], _NT, precision=precision, preferred_element_type=F32), dt)
+    z = _round(z, dt)
+    own = views[0]  # the head's own projections at the output rows
+
+    @pl.when(g < heads)
+    def _query_head():
+        res = _query_residual(own, _load_rows(xkv_ref, start + P, rows, T + P), dt)
+        _store_rows(o_ref, start, z + res, T)
+
+    @pl.when(g >= heads)
+    def _kv_head():
+        total = sum(_query_residual(_load_rows(q_ref, start + P, rows, T + P), own, dt) for q_ref in xq_refs)
+        _store_rows(o_ref, start, z + _round(total / group, dt), T)
+
+
+def _forward(xp, w1, b1, w2, b2, masks, *, heads: int):
+    B, Tp, C = xp.shape
+    G, d, _, t1 = w2.shape
+    t0 = w1.shape[1]
+    P = halo(t0, t1)
+    T = Tp - P
+    rows, warps, _ = _head_tiles(T)
+    x, w1t, b1f, w2t, b2f, m = _vma.vary_to_union(xp, _tap_weights(w1), b1.astype(F32), _per_tap(w2),
+                                                   b2.astype(F32), masks)
+    own, kv_head, group_heads = _head_specs(B, Tp, d, heads, G - heads, head_axis=2)
+    in_specs = [own, kv_head, *group_heads,
+                pl.BlockSpec((w1t.shape[0], d), lambda n, i, g: (0, g)), pl.BlockSpec((d,), lambda n, i, g: (g,)),
+                pl.BlockSpec((t1, None, d, d), lambda n, i, g: (0, g, 0, 0)), pl.BlockSpec((d,), lambda n, i, g: (g,))]
+    args = [x, x, *[x] * len(group_heads), w1t, b1f, w2t, b2f]
+    if m is not None:
+        in_specs.append(pl.BlockSpec((m.shape[0], None, T), lambda n, i, g: (0, n, 0)))
+        args.append(m)
+    return pl.pallas_call(
+        functools.partial(_fwd_kernel, t0=t0, t1=t1, P=P, T=T, rows=rows, heads=heads, group=len(group_heads),
+                          has_seg=m is not None, precision=_precision(xp.dtype)),
+        grid=(B, pl.cdiv(T, rows), G),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, T, d), lambda n, i, g: (n, 0, g)),
+        out_shape=_vma.out_struct((B, T, C), xp.dtype, x),
+        compiler_params=_platform.compiler_params(warps, 2),
+        interpret=_platform.interpret(), name="cca_qk_mix_fwd",
+    )(*args)
 
 
 def _tap_weights(w1):
@@ -91,33 +187,106 @@ def _tap_weights(w1):
     return jnp.pad(w1.astype(F32).T, ((0, _platform.next_pow2(t0) - t0), (0, 0)))
 
 
-def _forward(xp, w1, b1, masks, *, t1: int, T: int):
+def _per_tap(w2):
+    """[G, d, d, t1] -> [t1, G, d, d] (each tap's d x d matrices contiguous)."""
+    return jnp.moveaxis(w2, -1, 0)
+
+
+# --------------------------------------------------------------------------- backward (A): grouped conv, residuals
+def _bwd_grouped_kernel(x_ref, do_ref, dokv_ref, *rest, t0, t1, P, T, rows, heads, group, chunks, has_seg,
+                        precision):
+    doq_refs, (w1_ref, b1_ref, w2_ref), rest = rest[:group], rest[group:group + 3], rest[group + 3:]
+    m_ref, rest = (rest[0], rest[1:]) if has_seg else (None, rest)
+    dy_ref, dres_ref, dw2_ref, db2_ref = rest
+    dt = dy_ref.dtype
+    g, c, tap = pl.program_id(1), pl.program_id(2), pl.program_id(3)
+    count = lax.div(pl.cdiv(T, rows) - c + chunks - 1, chunks)  # this chunk's row tiles c, c + chunks, ...
+    d = do_ref.shape[-1]
+
+    def store_residual_grad(start):
+        """d (q, k projections) of the mean residual paths at these rows, rounded as the reference rounds them:
+        a query head gets d q_res / 2 (its own output's gradient plus its share of its KV head's mean), a KV head
+        the sum of that over its query heads (the transpose of the repeat)."""
+        def d_qres_half(dq_ref, dk_share):
+            return _round(_round(_load_rows(dq_ref, start, rows, T) + dk_share, dt) * 0.5, dt)
+
+        @pl.when(g < heads)
+        def _query_head():
+            share = _round(_load_rows(dokv_ref, start, rows, T) / group, dt)
+            _store_rows(dres_ref, start, d_qres_half(do_ref, share), T)
+
+        @pl.when(g >= heads)
+        def _kv_head():
+            share = _round(_load_rows(do_ref, start, rows, T) / group, dt)
+            _store_rows(dres_ref, start, sum(d_qres_half(q_ref, share) for q_ref in doq_refs), T)
+
+    def run(j: int):
+        def step(n, carry):
+            start = (c + n * chunks) * rows
+            dout = _load_rows(do_ref, start, rows, T).astype(dt)  # zero past T: those rows add nothing
+            views = _shifted_views(x_ref, m_ref, start, rows, P=P, T=T,
+                                   offsets=[tap_offset(j, i, t0, t1) for i in range(t0)])
+            y = _tap(views, w1_ref, b1_ref, j, t0=t0, t1=t1, dtype=dt).astype(dt)
+            _store_rows(dy_ref, start, lax.dot_general(dout, w2_ref[...], _NN, precision=precision,
+                                                       preferred_element_type=F32), T)
+            dw = carry[0] + lax.dot_general(dout, y, _TN, precision=precision, preferred_element_type=F32)
+            if j:
+                return dw, carry[1]
+            store_residual_grad(start)
+            return dw, carry[1] + jnp.sum(dout.astype(F32), axis=0)
+
+        dw, db = lax.fori_loop(0, count, step, (jnp.zeros((d, d), F32), jnp.zeros((d,), F32)))
+        dw2_ref[...] = dw
+        if not j:
+            db2_ref[...] = db
+
+    for j in range(t1):
+        pl.when(tap == j)(functools.partial(run, j))
+
+
+def _backward_grouped(xp, w1, b1, w2, masks, dout, *, heads: int):
     B, Tp, C = xp.shape
+    G, d, _, t1 = w2.shape
     t0 = w1.shape[1]
-    P = Tp - T
-    rows, bc, warps = _tiles(T, C)
-    x, w, b, m = _vma.vary_to_union(xp, _tap_weights(w1), b1.astype(F32), masks)
-    column = pl.BlockSpec((None, Tp, bc), lambda n, i, c: (n, 0, c))
-    in_specs = [column, pl.BlockSpec((w.shape[0], bc), lambda n, i, c: (0, c)),
-                pl.BlockSpec((bc,), lambda n, i, c: (c,))]
-    args = [x, w, b]
+    P = halo(t0, t1)
+    T = Tp - P
+    rows, _, warps = _head_tiles(T)
+    n_tiles = pl.cdiv(T, rows)
+    chunks = max(1, min(n_tiles, math.ceil(_PROGRAMS_PER_CU * _platform.compute_units() / (B * G * t1))))
+    x, do, w1t, b1f, w2t, m = _vma.vary_to_union(xp, dout, _tap_weights(w1), b1.astype(F32), _per_tap(w2), masks)
+    own_x = _head_specs(B, Tp, d, heads, G - heads, head_axis=1)[0]
+    own, kv_head, group_heads = _head_specs(B, T, d, heads, G - heads, head_axis=1)
+    in_specs = [own_x, own, kv_head, *group_heads,
+                pl.BlockSpec((w1t.shape[0], d), lambda n, g, c, j: (0, g)),
+                pl.BlockSpec((d,), lambda n, g, c, j: (g,)),
+                pl.BlockSpec((None, None, d, d), lambda n, g, c, j: (j, g, 0, 0))]
+    args = [x, do, do, *[do] * len(group_heads), w1t, b1f, w2t]
     if m is not None:
-        in_specs.append(pl.BlockSpec((m.shape[0], None, T), lambda n, i, c: (0, n, 0)))
+        in_specs.append(pl.BlockSpec((m.shape[0], None, T), lambda n, g, c, j: (0, n, 0)))
         args.append(m)
-    return pl.pallas_call(
-        functools.partial(_fwd_kernel, t0=t0, t1=t1, P=P, T=T, rows=rows, has_seg=m is not None),
-        grid=(B, pl.cdiv(T, rows), C // bc),
+    out_specs = [pl.BlockSpec((None, None, T, d), lambda n, g, c, j: (j, n, 0, g)),
+                 pl.BlockSpec((None, T, d), lambda n, g, c, j: (n, 0, g)),
+                 pl.BlockSpec((None, None, None, None, d, d), lambda n, g, c, j: (n, c, j, g, 0, 0)),
+                 pl.BlockSpec((None, None, d), lambda n, g, c, j: (n, c, g))]
+    out_shape = [_vma.out_struct((t1, B, T, C), xp.dtype, x), _vma.out_struct((B, T, C), xp.dtype, x),
+                 _vma.out_struct((B, chunks, t1, G, d, d), F32, x), _vma.out_struct((B, chunks, C), F32, x)]
+    dy, dres, dw2, db2 = pl.pallas_call(
+        functools.partial(_bwd_grouped_kernel, t0=t0, t1=t1, P=P, T=T, rows=rows, heads=heads,
+                          group=len(group_heads), chunks=chunks, has_seg=m is not None,
+                          precision=_precision(xp.dtype)),
+        grid=(B, G, chunks, t1),
         in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, T, bc), lambda n, i, c: (n, 0, c))] * t1,
-        out_shape=[_vma.out_struct((B, T, C), xp.dtype, x)] * t1,
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=_platform.compiler_params(warps, 2),
-        interpret=_platform.interpret(), name="cca_depthwise_fwd",
+        interpret=_platform.interpret(), name="cca_qk_mix_bwd_grouped",
     )(*args)
+    return dy, dres, jnp.moveaxis(dw2.sum(axis=(0, 1)), 0, -1), db2.sum(axis=(0, 1))
 
 
-# ----------------------------------------------------------------------------------------------------- backward
-def _bwd_kernel(x_ref, w_ref, *rest, t0, t1, P, T, rows, has_seg):
-    dy_refs, rest = rest[:t1], rest[t1:]
+# --------------------------------------------------------------------------------- backward (B): depthwise conv
+def _bwd_depthwise_kernel(x_ref, w_ref, *rest, t0, t1, P, T, rows, has_seg):
+    dy_refs, dres_ref, rest = rest[:t1], rest[t1], rest[t1 + 1:]
     m_ref = rest[0] if has_seg else None
     dx_ref, db_ref, *dw_refs = rest[1:] if has_seg else rest
     start = pl.program_id(1) * rows  # this program's rows u of d xp
@@ -135,65 +304,93 @@ def _bwd_kernel(x_ref, w_ref, *rest, t0, t1, P, T, rows, has_seg):
     db = jnp.zeros(x.shape[1:], F32)
     for j in range(t1):  # every output t once: rows t = u of each tap gradient
         db = db + jnp.sum(_load_rows(dy_refs[j], start, rows, T), axis=0)
-    ok = (start + jnp.arange(rows)) < T + P
-    plgpu.store(dx_ref.at[pl.ds(start, rows), :], dx.astype(dx_ref.dtype), mask=jnp.broadcast_to(ok[:, None], dx.shape))
+    # the convolutions' gradient and the residual paths' (rows u = P + t) summed as the reference sums them
+    dx = _round(dx, dx_ref.dtype) + _load_rows(dres_ref, start - P, rows, T)
+    _store_rows(dx_ref, start, dx, T + P)
     db_ref[...] = db
     for i in range(t0):
         dw_refs[i][...] = dw[i]
 
 
-def _backward(xp, w1, masks, dys, *, T: int):
+def _backward_depthwise(xp, w1, masks, dy, dres, *, t1: int):
     B, Tp, C = xp.shape
-    t0, t1 = w1.shape[1], len(dys)
-    P = Tp - T
-    rows, bc, warps = _tiles(T, C)
+    t0 = w1.shape[1]
+    P = halo(t0, t1)
+    T = Tp - P
+    rows, chans, warps = _DW_TILES[_platform.vendor()]
+    rows = min(rows, max(16, _platform.next_pow2(T)))
+    bc = 1
+    while bc * 2 <= chans and C % (bc * 2) == 0:  # a power of two dividing C: no channel padding
+        bc *= 2
     nU = pl.cdiv(Tp, rows)
-    x, w, m, *g = _vma.vary_to_union(xp, _tap_weights(w1), masks, *dys)
+    x, w, m, g, r = _vma.vary_to_union(xp, _tap_weights(w1), masks, dy, dres)
     in_specs = ([pl.BlockSpec((None, Tp, bc), lambda n, i, c: (n, 0, c)),
                  pl.BlockSpec((w.shape[0], bc), lambda n, i, c: (0, c))]
-                + [pl.BlockSpec((None, T, bc), lambda n, i, c: (n, 0, c))] * t1)
-    args = [x, w, *g]
+                + [pl.BlockSpec((None, None, T, bc), lambda n, i, c, j=j: (j, n, 0, c)) for j in range(t1)]
+                + [pl.BlockSpec((None, T, bc), lambda n, i, c: (n, 0, c))])
+    args = [x, w, *[g] * t1, r]
     if m is not None:
         in_specs.append(pl.BlockSpec((m.shape[0], None, T), lambda n, i, c: (0, n, 0)))
         args.append(m)
     part = pl.BlockSpec((None, None, bc), lambda n, i, c: (n, i, c))
     outs = pl.pallas_call(
-        functools.partial(_bwd_kernel, t0=t0, t1=t1, P=P, T=T, rows=rows, has_seg=m is not None),
+        functools.partial(_bwd_depthwise_kernel, t0=t0, t1=t1, P=P, T=T, rows=rows, has_seg=m is not None),
         grid=(B, nU, C // bc),
         in_specs=in_specs,
         out_specs=[pl.BlockSpec((None, Tp, bc), lambda n, i, c: (n, 0, c))] + [part] * (1 + t0),
         out_shape=[_vma.out_struct((B, Tp, C), xp.dtype, x)] + [_vma.out_struct((B, nU, C), F32, x)] * (1 + t0),
         compiler_params=_platform.compiler_params(warps, 2),
-        interpret=_platform.interpret(), name="cca_depthwise_bwd",
+        interpret=_platform.interpret(), name="cca_qk_mix_bwd_depthwise",
     )(*args)
     return outs[0], jnp.stack([p.sum(axis=(0, 1)) for p in outs[2:]], axis=1), outs[1].sum(axis=(0, 1))
 
 
 # -------------------------------------------------------------------------------------------------- custom VJP
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _taps(xp, w1, b1, masks, t1):
-    return tuple(_forward(xp, w1, b1, masks, t1=t1, T=xp.shape[1] - halo(w1.shape[1], t1)))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _mix(xp, w1, b1, w2, b2, masks, heads):
+    return _forward(xp, w1, b1, w2, b2, masks, heads=heads)
 
 
-def _taps_fwd(xp, w1, b1, masks, t1):
-    return _taps(xp, w1, b1, masks, t1), (xp, w1, b1, masks)
+def _mix_fwd(xp, w1, b1, w2, b2, masks, heads):
+    return _mix(xp, w1, b1, w2, b2, masks, heads), (xp, w1, b1, w2, b2, masks)
 
 
-def _taps_bwd(t1, res, dys):
-    xp, w1, b1, masks = res
-    dx, dw, db = _backward(xp, w1, masks, list(dys), T=dys[0].shape[1])
-    return (_vma.sum_to_type_of(dx, xp), _vma.sum_to_type_of(dw.astype(w1.dtype), w1),
-            _vma.sum_to_type_of(db.astype(b1.dtype), b1), None if masks is None else jnp.zeros_like(masks))
+def _mix_bwd(heads, res, dout):
+    xp, w1, b1, w2, b2, masks = res
+    dy, dres, dw2, db2 = _backward_grouped(xp, w1, b1, w2, masks, dout, heads=heads)
+    dx, dw1, db1 = _backward_depthwise(xp, w1, masks, dy, dres, t1=w2.shape[-1])
+    return (_vma.sum_to_type_of(dx, xp), _vma.sum_to_type_of(dw1.astype(w1.dtype), w1),
+            _vma.sum_to_type_of(db1.astype(b1.dtype), b1), _vma.sum_to_type_of(dw2.astype(w2.dtype), w2),
+            _vma.sum_to_type_of(db2.astype(b2.dtype), b2), None if masks is None else jnp.zeros_like(masks))
 
 
-_taps.defvjp(_taps_fwd, _taps_bwd)
+_mix.defvjp(_mix_fwd, _mix_bwd)
 
 
-def depthwise_taps(xp, w1, b1, t1: int, same_segment=None):
+def _masks(same_segment, P: int):
+    """[P', B, T] fp32 (P' = P rounded up to a power of two): row s-1 is same_segment[s]; None without segments."""
+    if same_segment is None or P == 0:
+        return None
+    rows = [same_segment[s].astype(F32) for s in range(1, P + 1)]
+    rows += [jnp.zeros_like(rows[0])] * (_platform.next_pow2(P) - P)
+    return jnp.stack(rows)
+
+
+def qk_mix(xp, w1, b1, w2, b2, heads: int, same_segment=None):
+    B, Tp, C = xp.shape
+    G, d, d_in, t1 = w2.shape
     t0 = w1.shape[1]
     P = halo(t0, t1)
-    B, Tp, C = xp.shape
-    if w1.shape[0] != C or b1.shape != (C,) or Tp <= P:
-        raise ValueError(f"depthwise_taps: need xp [B, T + {P}, C], w1 [C, {t0}], b1 [C]; got {xp.shape}, "
-                         f"{w1.shape}, {b1.shape}")
-    return list(_taps(xp, w1, b1, _masks(same_segment, P, B), int(t1)))
+    problems = []
+    if w1.shape != (C, t0) or b1.shape != (C,) or b2.shape != (C,) or G * d != C or d_in != d:
+        problems.append(f"need w1 [C, t0], b1 [C], w2 [G, d, d, t1], b2 [C] with C = G * d = {C}; got w1 {w1.shape}, "
+                        f"b1 {b1.shape}, w2 {w2.shape}, b2 {b2.shape}")
+    if not 0 < heads < G or heads % (G - heads):
+        problems.append(f"{heads} query heads of {G} heads: the rest ({G - heads}) must be KV heads dividing them")
+    if d < 16 or d & (d - 1):
+        problems.append(f"the head width {d} must be a power of two >= 16 (a Triton matmul tile)")
+    if Tp <= P:
+        problems.append(f"xp has {Tp} positions, not more than the {P} halo columns")
+    if problems:
+        raise ValueError("cca qk_mix (pallas): " + "; ".join(problems))
+    return _mix(xp, w1, b1, w2, b2, _masks(same_segment, P), int(heads))

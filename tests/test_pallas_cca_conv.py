@@ -1,6 +1,6 @@
-"""CCA's depthwise convolution kernels (pallas_kernels/cca_conv.py) against the jnp reference
-(zaya_jax/ops/cca_conv.py), forward and backward on fresh random inputs: interpret mode on the CPU, compiled with
-`-m gpu`; inside shard_map their types lower for CUDA (weights replicated, rows sharded)."""
+"""CCA's q/k mixing kernels (pallas_kernels/cca_conv.py: both convolutions and the mean residual paths) against the
+jnp reference (zaya_jax/ops/cca_conv.py), forward and backward on fresh random inputs: interpret mode on the CPU,
+compiled with `-m gpu`; inside shard_map their types lower for CUDA (weights replicated, rows sharded)."""
 
 import jax
 import jax.numpy as jnp
@@ -10,83 +10,88 @@ from test_pallas_rmsnorm import TOL, rel_err
 
 from pallas_kernels import _platform, _vma
 from zaya_jax.model.cca import same_segment_masks
-from zaya_jax.ops.cca_conv import depthwise_taps, depthwise_taps_reference, halo
+from zaya_jax.ops.cca_conv import halo, qk_mix
 
 
-def problem(seed, B, T, C, t0, t1, segments, dtype):
-    k = jax.random.split(jax.random.key(seed), 5)
-    P = halo(t0, t1)
+def problem(seed, B, T, heads, kv, d, t0, t1, segments, dtype):
+    k = jax.random.split(jax.random.key(seed), 7)
+    G, P = heads + kv, halo(t0, t1)
+    C = G * d
     xp = jax.random.normal(k[0], (B, T + P, C)).astype(dtype)
     w1 = 0.5 * jax.random.normal(k[1], (C, t0))
     b1 = 0.1 * jax.random.normal(k[2], (C,))
+    w2 = (jax.random.normal(k[3], (G, d, d, t1)) / d ** 0.5).astype(dtype)
+    b2 = 0.1 * jax.random.normal(k[4], (C,))
     same = None
     if segments:  # documents packed in each row: some columns of the halo belong to the previous one
-        same = same_segment_masks(jnp.cumsum(jax.random.bernoulli(k[3], 0.15, (B, T)), axis=1), P)
-    cotangents = [jax.random.normal(jax.random.fold_in(k[4], j), (B, T, C)).astype(dtype) for j in range(t1)]
-    return xp, w1, b1, same, cotangents
+        same = same_segment_masks(jnp.cumsum(jax.random.bernoulli(k[5], 0.15, (B, T)), axis=1), P)
+    cotangent = jax.random.normal(k[6], (B, T, C)).astype(dtype)
+    return (xp, w1, b1, w2, b2), heads, same, cotangent
 
 
-def taps_and_grads(impl, xp, w1, b1, same, cotangents):
-    t1 = len(cotangents)
+def mix_and_grads(impl, weights, heads, same, cotangent):
+    def loss(*weights):
+        out = qk_mix(*weights, heads, same, impl=impl)
+        return (out.astype(jnp.float32) * cotangent.astype(jnp.float32)).sum(), out
 
-    def loss(xp, w1, b1):
-        ys = depthwise_taps(xp, w1, b1, t1, same, impl=impl)
-        return sum((y.astype(jnp.float32) * c.astype(jnp.float32)).sum() for y, c in zip(ys, cotangents)), ys
-
-    (_, ys), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(xp, w1, b1)
-    return ys, grads
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(5)), has_aux=True))(*weights)
+    return out, grads
 
 
-# time not a multiple of the row tile (16 on the CPU), channels below / above the 32-channel tile and not a power
-# of two (24: 8-channel tiles), longer depthwise and grouped kernels, packed documents
-CASES = [(2, 37, 48, 2, 2, False), (1, 50, 64, 3, 2, True), (2, 16, 24, 2, 3, True), (1, 5, 32, 2, 2, True)]
+# time not a multiple of the row tile (16 on the CPU) and shorter than it, GQA groups of 4, 2 and 1, head widths 16
+# and 32, longer depthwise and grouped kernels, packed documents
+CASES = [(2, 37, 4, 2, 16, 2, 2, False), (1, 50, 4, 1, 32, 3, 2, True), (2, 16, 2, 2, 16, 2, 3, True),
+         (1, 5, 2, 1, 16, 2, 2, True)]
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("B,T,C,t0,t1,segments", CASES)
-def test_kernels_match_the_reference(B, T, C, t0, t1, segments, dtype):
-    inputs = problem(B * T + C, B, T, C, t0, t1, segments, dtype)
-    (ys, grads), (ys_ref, grads_ref) = taps_and_grads("pallas", *inputs), taps_and_grads("xla", *inputs)
-    for y, y_ref in zip(ys, ys_ref):
-        assert y.dtype == y_ref.dtype == dtype and y.shape == y_ref.shape == (B, T, C)
-        assert rel_err(y.astype(jnp.float32), y_ref.astype(jnp.float32)) <= TOL[dtype]
-    for name, g, g_ref in zip(("xp", "w1", "b1"), grads, grads_ref):
+@pytest.mark.parametrize("B,T,heads,kv,d,t0,t1,segments", CASES)
+def test_kernels_match_the_reference(B, T, heads, kv, d, t0, t1, segments, dtype):
+    inputs = problem(B * T + heads * d, B, T, heads, kv, d, t0, t1, segments, dtype)
+    (out, grads), (out_ref, grads_ref) = mix_and_grads("pallas", *inputs), mix_and_grads("xla", *inputs)
+    assert out.dtype == out_ref.dtype == dtype and out.shape == out_ref.shape == (B, T, (heads + kv) * d)
+    assert rel_err(out.astype(jnp.float32), out_ref.astype(jnp.float32)) <= TOL[dtype]
+    for name, g, g_ref in zip(("xp", "w1", "b1", "w2", "b2"), grads, grads_ref):
         assert g.dtype == g_ref.dtype and g.shape == g_ref.shape, name
         assert rel_err(g.astype(jnp.float32), g_ref.astype(jnp.float32)) <= TOL[dtype], name
 
 
 def test_shapes_that_do_not_fit_are_rejected_and_unknown_impls_named():
-    xp, w1, b1, _, _ = problem(0, 1, 8, 16, 2, 2, False, jnp.float32)
-    with pytest.raises(ValueError, match="depthwise_taps: need xp"):
-        depthwise_taps(xp, w1[:8], b1, 2, impl="pallas")
+    (xp, w1, b1, w2, b2), heads, _, _ = problem(0, 1, 8, 2, 1, 16, 2, 2, False, jnp.float32)
+    with pytest.raises(ValueError, match=r"need w1 \[C, t0\]"):
+        qk_mix(xp, w1[:8], b1, w2, b2, heads, impl="pallas")
+    with pytest.raises(ValueError, match="must be KV heads dividing them"):
+        qk_mix(xp, w1, b1, w2, b2, 1, impl="pallas")
     with pytest.raises(ValueError, match="CCA convolution impl 'cuda' unknown"):
-        depthwise_taps(xp, w1, b1, 2, impl="cuda")
+        qk_mix(xp, w1, b1, w2, b2, heads, impl="cuda")
 
 
 def test_kernels_lower_inside_shard_map_for_cuda(monkeypatch):
     """Rows sharded over 8 devices, weights replicated: the weight gradients come back summed over the rows."""
     monkeypatch.setattr(_platform, "interpret", lambda: False)
     monkeypatch.setattr(_platform, "vendor", lambda: "cuda")
-    xp, w1, b1, _, cts = problem(1, 8, 64, 128, 2, 2, False, jnp.bfloat16)
+    (xp, w1, b1, w2, b2), heads, _, ct = problem(1, 8, 64, 8, 2, 128, 2, 2, False, jnp.bfloat16)
 
-    def taps_and_grads(xp, w1, b1, c0, c1):
-        def loss(xp, w1, b1):
-            ys = depthwise_taps(xp, w1, b1, 2, impl="pallas")
-            return (ys[0].astype(jnp.float32) * c0).sum() + (ys[1].astype(jnp.float32) * c1).sum(), ys[0]
-        return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(xp, w1, b1)
+    def mix_and_grads(xp, w1, b1, w2, b2, ct):
+        def loss(*weights):
+            out = qk_mix(*weights, heads, impl="pallas")
+            return (out.astype(jnp.float32) * ct).sum(), out
+        return jax.grad(loss, argnums=tuple(range(5)), has_aux=True)(xp, w1, b1, w2, b2)
 
     rows = P("data")
-    text = _vma.lower_in_shard_map_for_cuda(taps_and_grads, (xp, w1, b1, *cts),
-                                            in_specs=(rows, P(), P(), rows, rows), out_specs=((rows, P(), P()), rows))
-    assert 'name = "cca_depthwise_fwd"' in text and 'name = "cca_depthwise_bwd"' in text
+    text = _vma.lower_in_shard_map_for_cuda(mix_and_grads, (xp, w1, b1, w2, b2, ct),
+                                            in_specs=(rows, P(), P(), P(), P(), rows),
+                                            out_specs=((rows, P(), P(), P(), P()), rows))
+    for name in ("cca_qk_mix_fwd", "cca_qk_mix_bwd_grouped", "cca_qk_mix_bwd_depthwise"):
+        assert f'name = "{name}"' in text
     assert "all_reduce" in text or "all-reduce" in text  # the replicated weights' gradients
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("segments", [False, True], ids=["plain", "documents"])
 def test_kernels_on_the_gpu_at_the_zaya1_width(segments):
-    """ZAYA1's CCA channels (8 + 2 heads of 128) over 4096 positions plus the halo."""
-    inputs = problem(3, 2, 4096, 1280, 2, 2, segments, jnp.bfloat16)
-    (ys, grads), (ys_ref, grads_ref) = taps_and_grads("pallas", *inputs), taps_and_grads("xla", *inputs)
-    for a, b in zip([*ys, *grads], [*ys_ref, *grads_ref]):
+    """ZAYA1's CCA heads (8 query + 2 key heads of 128) over 4096 positions plus the halo."""
+    inputs = problem(3, 2, 4096, 8, 2, 128, 2, 2, segments, jnp.bfloat16)
+    (out, grads), (out_ref, grads_ref) = mix_and_grads("pallas", *inputs), mix_and_grads("xla", *inputs)
+    for a, b in zip([out, *grads], [out_ref, *grads_ref]):
         assert rel_err(a.astype(jnp.float32), b.astype(jnp.float32)) <= TOL[jnp.bfloat16]

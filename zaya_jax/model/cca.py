@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zaya_jax.config import ModelConfig
-from zaya_jax.model.base import Linear, compute_matmul, dtypes, normal_init
+from zaya_jax.model.base import Linear, dtypes, normal_init
 from zaya_jax.ops import attention as attention_ops
 from zaya_jax.ops import cca_conv as conv_ops
 
@@ -55,7 +55,7 @@ class CCAProjection(nnx.Module):
         this chunk starts from (the previous chunk's tail, fetched from the rank that holds it)."""
         cfg = self.cfg
         B, T, _ = x.shape
-        H, KV, d, g = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.num_kv_groups
+        H, KV, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         dt = x.dtype
         if conv_mask is not None:  # HF zeroes padded positions before any projection
             x = x * conv_mask[:, :, None].astype(dt)
@@ -64,10 +64,6 @@ class CCAProjection(nnx.Module):
         # 77.7 ms, benchmarks/train_h200_fused_qkv_ab.json), so they stay four
         q = self.q_proj(x)
         k = self.k_proj(x)
-        qh, kh = q.reshape(B, T, H, d), k.reshape(B, T, KV, d)
-        q_res = (qh + jnp.repeat(kh, g, axis=2)) * 0.5
-        k_res = q_res.reshape(B, T, KV, g, d).mean(axis=3)
-
         qk = jnp.concatenate([q, k], axis=-1)  # channels [q heads | k heads]
         P = cfg.conv_halo
         v_cur = self.v_proj_current(x)
@@ -79,9 +75,13 @@ class CCAProjection(nnx.Module):
             state = exchange(tail, start)
         prefix = jnp.zeros((B, P, qk.shape[-1]), dt) if state is None or state.conv is None else state.conv.astype(dt)
         qk_padded = jnp.concatenate([prefix, qk], axis=1)
-        z = self._convolve(qk_padded, same_segment_masks(segment_ids, P))
-        q = z[..., : H * d].reshape(B, T, H, d) + q_res
-        k = z[..., H * d:].reshape(B, T, KV, d) + k_res
+        # both convolutions and the q/k mean residual paths (ops/cca_conv.py)
+        w1 = self.conv_qk_depthwise.weight[...][:, 0, :]  # [C, t0]
+        w2 = self.conv_qk_grouped.weight[...].astype(dt).reshape(H + KV, d, d, cfg.cca_time1)  # [head, out, in, tap]
+        mixed = conv_ops.qk_mix(qk_padded, w1, self.conv_qk_depthwise.bias[...], w2, self.conv_qk_grouped.bias[...],
+                                H, same_segment_masks(segment_ids, P), impl=cfg.conv_impl)
+        q = mixed[..., : H * d].reshape(B, T, H, d)
+        k = mixed[..., H * d:].reshape(B, T, KV, d)
 
         if state is None or state.value is None:  # v_proj_delayed(0): zero, or the bias with attention_bias
             v0 = self.v_proj_delayed(jnp.zeros((B, 1, x.shape[-1]), dt))
@@ -96,27 +96,6 @@ class CCAProjection(nnx.Module):
         v = jnp.concatenate([v_cur, v_prev], axis=-1).reshape(B, T, KV, d)
         new_state = CCAState(conv=qk_padded[:, -P:] if P else qk_padded[:, :0], value=v_del[:, -1])
         return q, k, v, new_state
-
-    def _convolve(self, xp, same_segment=None):
-        """Depthwise then grouped causal (valid) cross-correlation over time; xp carries the P-column halo, so at
-        a sequence start the grouped conv sees the depthwise bias (not zero) at t = -1, as in the reference.
-
-        Output t reads raw column t - s through offset s = (t1-1-j) + (t0-1-i) (grouped tap j, depthwise tap i);
-        same_segment[s] [B, T] zeroes the columns of an earlier document (None: no resets)."""
-        cfg = self.cfg
-        t1 = cfg.cca_time1
-        B, Tp, C = xp.shape
-        T = Tp - cfg.conv_halo
-        dt = xp.dtype
-        w1 = self.conv_qk_depthwise.weight[...][:, 0, :]  # [C, t0]
-        G, d = C // cfg.head_dim, cfg.head_dim
-        w2 = self.conv_qk_grouped.weight[...].astype(dt).reshape(G, d, d, t1)  # [group, out, in, tap]
-        # ys[j]: the depthwise output grouped tap j reads, as seen from each output t
-        ys = conv_ops.depthwise_taps(xp, w1, self.conv_qk_depthwise.bias[...], t1, same_segment, impl=cfg.conv_impl)
-        z = self.conv_qk_grouped.bias[...].astype(jnp.float32).reshape(G, d)
-        for j, y in enumerate(ys):
-            z = z + compute_matmul("btgi,goi->btgo", y.reshape(B, T, G, d), w2[..., j]).astype(jnp.float32)
-        return z.reshape(B, T, C).astype(dt)
 
 
 def same_segment_masks(segment_ids, P: int):

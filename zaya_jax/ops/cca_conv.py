@@ -1,15 +1,22 @@
-"""The depthwise causal convolution of CCA's compressed q|k channels, as the grouped convolution consumes it.
+"""CCA's query/key mixing: the two causal convolutions over time on the [q | k] channels and the q/k mean residual
+paths, as `CCAProjection` (zaya_jax/model/cca.py) and the Hugging Face reference compute them.
 
-    depthwise_taps(xp [B, T + P, C], w1 [C, t0], b1 [C], t1, same_segment, impl) -> t1 arrays [B, T, C] (xp.dtype)
-    y_j[:, t] = b1 + sum_i w1[:, i] * xp[:, t + P - s] * same_segment[s][:, t]   (s = (t1-1-j) + (t0-1-i), the mask
-    only for s > 0), P = (t0-1) + (t1-1) the halo columns xp carries before t = 0; fp32 inside, rounded once.
+    qk_mix(xp [B, T + P, C], w1 [C, t0], b1 [C], w2 [G, d, d, t1], b2 [C], heads, same_segment, impl) -> [B, T, C]
 
-y_j is what grouped tap j of `CCAProjection._convolve` reads (the depthwise output seen from output t at offset
-t1-1-j). 'xla' is the jnp reference below; 'pallas' the kernels of pallas_kernels/cca_conv.py (forward: every tap
-from one read of the halo'd tile; backward: d xp and the weight-gradient partial sums in one pass). Why a kernel:
-on the H200 XLA's fusions of the reference's backward took 0.70 ms per 2 x 4096-token microbatch over the bench
-preset's 8 layers, about 5x the bytes it must move at copy bandwidth (benchmarks/train_h200_profile_sources.json,
-cca.py's _convolve in the backward), while the forward ran near that bound.
+C = G * d channels: `heads` query heads of d channels, then G - heads KV heads. xp carries P = (t0-1) + (t1-1) halo
+columns before t = 0 (the previous chunk's projections, or zeros at a sequence start). In xp's dtype:
+
+    y_j[:, t] = b1 + sum_i w1[:, i] * xp[:, t + P - s] * same_segment[s][:, t]   (s = tap_offset(j, i); fp32, rounded)
+    z[:, t, g] = b2[g] + sum_j (y_j[:, t, g] @ w2[g, :, :, j]^T)                    (each tap's GEMM rounded; fp32 sum)
+    q_res[h] = (q_h + k_kv(h)) / 2,  k_res[kv] = mean of q_res over kv's query heads  (q, k = xp[:, P:])
+    out = round(z) + [q_res | k_res]
+
+y_j is the depthwise output that grouped tap j reads, seen from output t (same_segment[s] [B, T] zeroes columns of an
+earlier document; None: no resets). 'xla' is the jnp reference below; 'pallas' the kernels of
+pallas_kernels/cca_conv.py (one forward kernel for the whole block). Why a kernel: on the H200 XLA's fusions of this
+block took about 2.6 ms per 2 x 4096-token microbatch over the bench preset's 8 layers, forward and backward
+(benchmarks/train_h200_profile_sources.json: cca.py's _convolve, its grouped GEMMs and the residual lines), several
+times the bytes the block must move.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ def tap_offset(j: int, i: int, t0: int, t1: int) -> int:
 
 
 def depthwise_taps_reference(xp, w1, b1, t1: int, same_segment=None):
+    """[y_j for j < t1], each [B, T, C] in xp.dtype (see the module docstring)."""
     t0 = w1.shape[1]
     P = halo(t0, t1)
     T = xp.shape[1] - P
@@ -48,10 +56,34 @@ def depthwise_taps_reference(xp, w1, b1, t1: int, same_segment=None):
     return ys
 
 
-def depthwise_taps(xp, w1, b1, t1: int, same_segment=None, impl: str = "xla"):
+def mean_residuals(q, k):
+    """q_res [B, T, H, d] = (q + k of the query head's KV head) / 2 and k_res [B, T, KV, d], its mean over the
+    query heads of each KV head (in q's dtype)."""
+    B, T, H, d = q.shape
+    KV = k.shape[2]
+    q_res = (q + jnp.repeat(k, H // KV, axis=2)) * 0.5
+    return q_res, q_res.reshape(B, T, KV, H // KV, d).mean(axis=3)
+
+
+def qk_mix_reference(xp, w1, b1, w2, b2, heads: int, same_segment=None):
+    G, d, _, t1 = w2.shape
+    B, Tp, C = xp.shape
+    T = Tp - halo(w1.shape[1], t1)
+    dt = xp.dtype
+    ys = depthwise_taps_reference(xp, w1, b1, t1, same_segment)
+    z = b2.astype(F32).reshape(G, d)
+    w2 = w2.astype(dt)
+    for j, y in enumerate(ys):  # the GEMMs keep the compute dtype (fp32 accumulation), as compute_matmul
+        z = z + jnp.einsum("btgi,goi->btgo", y.reshape(B, T, G, d), w2[..., j], preferred_element_type=dt).astype(F32)
+    qk = xp[:, Tp - T:].reshape(B, T, G, d)
+    q_res, k_res = mean_residuals(qk[:, :, :heads], qk[:, :, heads:])
+    return (z.astype(dt) + jnp.concatenate([q_res, k_res], axis=2)).reshape(B, T, C)
+
+
+def qk_mix(xp, w1, b1, w2, b2, heads: int, same_segment=None, impl: str = "xla"):
     if impl == "xla":
-        return depthwise_taps_reference(xp, w1, b1, t1, same_segment)
+        return qk_mix_reference(xp, w1, b1, w2, b2, heads, same_segment)
     if impl == "pallas":
-        from pallas_kernels.cca_conv import depthwise_taps as kernel
-        return kernel(xp, w1, b1, t1, same_segment)
+        from pallas_kernels.cca_conv import qk_mix as kernel
+        return kernel(xp, w1, b1, w2, b2, heads, same_segment)
     raise ValueError(f"CCA convolution impl {impl!r} unknown (use one of {IMPLS})")
