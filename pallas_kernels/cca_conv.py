@@ -9,11 +9,11 @@ rounds them), multiplies each by the head's d x d grouped-conv tap on the tensor
 mean residual (a query head: (q + k) / 2 with its KV head's k; a KV head: the mean of that over its query heads, whose
 projections it reads too) and writes the head's output once.
 
-Backward, two kernels. (A) grouped convolution and residual paths, per (batch, head, chunk of row tiles, tap): d y_j =
-dout . w2_j is written, d w2_j (the tap recomputed from xp) and d b2 are summed over the chunk's rows in registers,
-and the tap-0 programs write the residual paths' gradient. (B) the depthwise convolution, per (batch, tile of xp rows u,
-channel tile): reads d y_j at u - P + s for every offset s, so one pass gives d xp (plus the residual gradient of
-row u) and the tile's partial sums of d w1 and d b1. All partial sums are added afterwards in fp32.
+Backward, two kernels. (A) the grouped convolution, per (batch, head, chunk of row tiles, tap): d y_j = dout . w2_j is
+written, d w2_j (the tap recomputed from xp) and d b2 are summed over the chunk's rows in registers. (B) the depthwise
+convolution and the residual paths, per (batch, tile of xp rows u, head): reads d y_j at u - P + s for every offset s,
+so one pass gives d xp (with the residual paths' gradient of row u, from the head's and its partner heads' d out) and
+the tile's partial sums of d w1 and d b1. All partial sums are added afterwards in fp32.
 
 Shifted reads are row gathers clamped into the array and zeroed outside it (nothing is padded or copied); the last
 tile's stores are masked. Inside shard_map (check_vma) the kernels run on inputs made varying over all their axes, and
@@ -41,10 +41,10 @@ _NN = (((1,), (0,)), ((), ()))  # a @ b
 _TN = (((0,), (0,)), ((), ()))  # aᵀ @ b
 
 # (time rows, forward warps, backward (A) warps) of a head's tile: one warp group holds the forward's [rows, d] matmul
-# tiles, two the backward's [d, d] fp32 weight-gradient sum; (time rows, channels, warps) of the depthwise backward
-# (B), a bandwidth-bound elementwise pass
+# tiles, two the backward's [d, d] fp32 weight-gradient sum; (time rows, warps) of the depthwise backward (B), a
+# bandwidth-bound elementwise pass over a head's channels
 _HEAD_TILES = {"cuda": (64, 4, 8), "rocm": (64, 2, 4), "cpu": (16, 4, 4)}
-_DW_TILES = {"cuda": (64, 128, 8), "rocm": (64, 128, 4), "cpu": (16, 32, 4)}
+_DW_TILES = {"cuda": (64, 8), "rocm": (64, 4), "cpu": (16, 4)}
 _PROGRAMS_PER_CU = 2  # backward (A): enough (batch, head, chunk, tap) programs to fill the GPU about twice
 
 
@@ -192,33 +192,15 @@ def _per_tap(w2):
     return jnp.moveaxis(w2, -1, 0)
 
 
-# --------------------------------------------------------------------------- backward (A): grouped conv, residuals
-def _bwd_grouped_kernel(x_ref, do_ref, dokv_ref, *rest, t0, t1, P, T, rows, heads, group, chunks, has_seg,
-                        precision):
-    doq_refs, (w1_ref, b1_ref, w2_ref), rest = rest[:group], rest[group:group + 3], rest[group + 3:]
+# ------------------------------------------------------------------------------- backward (A): grouped convolution
+def _bwd_grouped_kernel(x_ref, do_ref, w1_ref, b1_ref, w2_ref, *rest, t0, t1, P, T, rows, chunks, has_seg, precision):
     m_ref, rest = (rest[0], rest[1:]) if has_seg else (None, rest)
-    dy_ref, dres_ref, dw2_ref, db2_ref = rest
+    dy_ref, dw2_ref, db2_ref = rest
     dt = dy_ref.dtype
-    g, c, tap = pl.program_id(1), pl.program_id(2), pl.program_id(3)
+    c, tap = pl.program_id(2), pl.program_id(3)
     count = lax.div(pl.cdiv(T, rows) - c + chunks - 1, chunks)  # this chunk's row tiles c, c + chunks, ...
     d = do_ref.shape[-1]
-
-    def store_residual_grad(start):
-        """d (q, k projections) of the mean residual paths at these rows, rounded as the reference rounds them:
-        a query head gets d q_res / 2 (its own output's gradient plus its share of its KV head's mean), a KV head
-        the sum of that over its query heads (the transpose of the repeat)."""
-        def d_qres_half(dq_ref, dk_share):
-            return _round(_round(_load_rows(dq_ref, start, rows, T) + dk_share, dt) * 0.5, dt)
-
-        @pl.when(g < heads)
-        def _query_head():
-            share = _round(_load_rows(dokv_ref, start, rows, T) / group, dt)
-            _store_rows(dres_ref, start, d_qres_half(do_ref, share), T)
-
-        @pl.when(g >= heads)
-        def _kv_head():
-            share = _round(_load_rows(do_ref, start, rows, T) / group, dt)
-            _store_rows(dres_ref, start, sum(d_qres_half(q_ref, share) for q_ref in doq_refs), T)
+    w2 = w2_ref[...]  # this head's tap, read once
 
     def run(j: int):
         def step(n, carry):
@@ -227,24 +209,22 @@ def _bwd_grouped_kernel(x_ref, do_ref, dokv_ref, *rest, t0, t1, P, T, rows, head
             views = _shifted_views(x_ref, m_ref, start, rows, P=P, T=T,
                                    offsets=[tap_offset(j, i, t0, t1) for i in range(t0)])
             y = _tap(views, w1_ref, b1_ref, j, t0=t0, t1=t1, dtype=dt).astype(dt)
-            _store_rows(dy_ref, start, lax.dot_general(dout, w2_ref[...], _NN, precision=precision,
+            _store_rows(dy_ref, start, lax.dot_general(dout, w2, _NN, precision=precision,
                                                        preferred_element_type=F32), T)
             dw = carry[0] + lax.dot_general(dout, y, _TN, precision=precision, preferred_element_type=F32)
-            if j:
-                return dw, carry[1]
-            store_residual_grad(start)
-            return dw, carry[1] + jnp.sum(dout.astype(F32), axis=0)
+            return dw, (carry[1] + jnp.sum(dout.astype(F32), axis=0)) if j == 0 else carry[1]
 
         dw, db = lax.fori_loop(0, count, step, (jnp.zeros((d, d), F32), jnp.zeros((d,), F32)))
         dw2_ref[...] = dw
-        if not j:
+        if j == 0:
             db2_ref[...] = db
 
     for j in range(t1):
         pl.when(tap == j)(functools.partial(run, j))
 
 
-def _backward_grouped(xp, w1, b1, w2, masks, dout, *, heads: int):
+def _backward_grouped(xp, w1, b1, w2, masks, dout):
+    """-> (d y [t1, B, T, C] in xp.dtype, d w2 [G, d, d, t1] fp32, d b2 [C] fp32)."""
     B, Tp, C = xp.shape
     G, d, _, t1 = w2.shape
     t0 = w1.shape[1]
@@ -254,41 +234,43 @@ def _backward_grouped(xp, w1, b1, w2, masks, dout, *, heads: int):
     n_tiles = pl.cdiv(T, rows)
     chunks = max(1, min(n_tiles, math.ceil(_PROGRAMS_PER_CU * _platform.compute_units() / (B * G * t1))))
     x, do, w1t, b1f, w2t, m = _vma.vary_to_union(xp, dout, _tap_weights(w1), b1.astype(F32), _per_tap(w2), masks)
-    own_x = _head_specs(B, Tp, d, heads, G - heads, head_axis=1)[0]
-    own, kv_head, group_heads = _head_specs(B, T, d, heads, G - heads, head_axis=1)
-    in_specs = [own_x, own, kv_head, *group_heads,
+    in_specs = [pl.BlockSpec((None, Tp, d), lambda n, g, c, j: (n, 0, g)),
+                pl.BlockSpec((None, T, d), lambda n, g, c, j: (n, 0, g)),
                 pl.BlockSpec((w1t.shape[0], d), lambda n, g, c, j: (0, g)),
                 pl.BlockSpec((d,), lambda n, g, c, j: (g,)),
                 pl.BlockSpec((None, None, d, d), lambda n, g, c, j: (j, g, 0, 0))]
-    args = [x, do, do, *[do] * len(group_heads), w1t, b1f, w2t]
+    args = [x, do, w1t, b1f, w2t]
     if m is not None:
         in_specs.append(pl.BlockSpec((m.shape[0], None, T), lambda n, g, c, j: (0, n, 0)))
         args.append(m)
     out_specs = [pl.BlockSpec((None, None, T, d), lambda n, g, c, j: (j, n, 0, g)),
-                 pl.BlockSpec((None, T, d), lambda n, g, c, j: (n, 0, g)),
                  pl.BlockSpec((None, None, None, None, d, d), lambda n, g, c, j: (n, c, j, g, 0, 0)),
                  pl.BlockSpec((None, None, d), lambda n, g, c, j: (n, c, g))]
-    out_shape = [_vma.out_struct((t1, B, T, C), xp.dtype, x), _vma.out_struct((B, T, C), xp.dtype, x),
-                 _vma.out_struct((B, chunks, t1, G, d, d), F32, x), _vma.out_struct((B, chunks, C), F32, x)]
-    dy, dres, dw2, db2 = pl.pallas_call(
-        functools.partial(_bwd_grouped_kernel, t0=t0, t1=t1, P=P, T=T, rows=rows, heads=heads,
-                          group=len(group_heads), chunks=chunks, has_seg=m is not None,
-                          precision=_precision(xp.dtype)),
+    out_shape = [_vma.out_struct((t1, B, T, C), xp.dtype, x), _vma.out_struct((B, chunks, t1, G, d, d), F32, x),
+                 _vma.out_struct((B, chunks, C), F32, x)]
+    dy, dw2, db2 = pl.pallas_call(
+        functools.partial(_bwd_grouped_kernel, t0=t0, t1=t1, P=P, T=T, rows=rows, chunks=chunks,
+                          has_seg=m is not None, precision=_precision(xp.dtype)),
         grid=(B, G, chunks, t1),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=_platform.compiler_params(warps, 2),
+        # one stage: the loop's tile loads are not multi-buffered in shared memory (two stages with the residual
+        # paths' loads in this loop asked for 454 KiB of the H200's 227)
+        compiler_params=_platform.compiler_params(warps, 1),
         interpret=_platform.interpret(), name="cca_qk_mix_bwd_grouped",
     )(*args)
-    return dy, dres, jnp.moveaxis(dw2.sum(axis=(0, 1)), 0, -1), db2.sum(axis=(0, 1))
+    return dy, jnp.moveaxis(dw2.sum(axis=(0, 1)), 0, -1), db2.sum(axis=(0, 1))
 
 
-# --------------------------------------------------------------------------------- backward (B): depthwise conv
-def _bwd_depthwise_kernel(x_ref, w_ref, *rest, t0, t1, P, T, rows, has_seg):
-    dy_refs, dres_ref, rest = rest[:t1], rest[t1], rest[t1 + 1:]
+# ------------------------------------------------------------------ backward (B): depthwise conv and residual paths
+def _bwd_depthwise_kernel(x_ref, w_ref, *rest, t0, t1, P, T, rows, heads, group, has_seg):
+    dy_refs, (do_ref, dokv_ref), rest = rest[:t1], rest[t1:t1 + 2], rest[t1 + 2:]
+    doq_refs, rest = rest[:group], rest[group:]
     m_ref = rest[0] if has_seg else None
     dx_ref, db_ref, *dw_refs = rest[1:] if has_seg else rest
+    dt = dx_ref.dtype
+    g = pl.program_id(2)
     start = pl.program_id(1) * rows  # this program's rows u of d xp
     x = _load_rows(x_ref, start, rows, T + P)
     dx = jnp.zeros(x.shape, F32)
@@ -296,50 +278,64 @@ def _bwd_depthwise_kernel(x_ref, w_ref, *rest, t0, t1, P, T, rows, has_seg):
     for j in range(t1):
         for i in range(t0):
             s = tap_offset(j, i, t0, t1)
-            g = _load_rows(dy_refs[j], start - P + s, rows, T)  # dy_j at t = u - P + s
+            gj = _load_rows(dy_refs[j], start - P + s, rows, T)  # dy_j at t = u - P + s
             if has_seg and s:
-                g = g * _load_mask(m_ref, s, start - P + s, rows, T)
-            dx = dx + g * w_ref[i, :].astype(F32)[None, :]
-            dw[i] = dw[i] + jnp.sum(x * g, axis=0)
+                gj = gj * _load_mask(m_ref, s, start - P + s, rows, T)
+            dx = dx + gj * w_ref[i, :].astype(F32)[None, :]
+            dw[i] = dw[i] + jnp.sum(x * gj, axis=0)
     db = jnp.zeros(x.shape[1:], F32)
     for j in range(t1):  # every output t once: rows t = u of each tap gradient
         db = db + jnp.sum(_load_rows(dy_refs[j], start, rows, T), axis=0)
-    # the convolutions' gradient and the residual paths' (rows u = P + t) summed as the reference sums them
-    dx = _round(dx, dx_ref.dtype) + _load_rows(dres_ref, start - P, rows, T)
-    _store_rows(dx_ref, start, dx, T + P)
     db_ref[...] = db
     for i in range(t0):
         dw_refs[i][...] = dw[i]
+    dx = _round(dx, dt)
+
+    # The mean residual paths (rows u = P + t are the projections), rounded as the reference rounds them: a query
+    # head gets d q_res / 2, d q_res its own output's gradient plus its share of its KV head's mean; a KV head the
+    # sum of that over its query heads (the transpose of the repeat). Added to the convolutions' gradient in dt.
+    def d_qres_half(dq_ref, dk_share):
+        return _round(_round(_load_rows(dq_ref, start - P, rows, T) + dk_share, dt) * 0.5, dt)
+
+    @pl.when(g < heads)
+    def _query_head():
+        share = _round(_load_rows(dokv_ref, start - P, rows, T) / group, dt)
+        _store_rows(dx_ref, start, dx + d_qres_half(do_ref, share), T + P)
+
+    @pl.when(g >= heads)
+    def _kv_head():
+        share = _round(_load_rows(do_ref, start - P, rows, T) / group, dt)
+        _store_rows(dx_ref, start, dx + _round(sum(d_qres_half(q_ref, share) for q_ref in doq_refs), dt), T + P)
 
 
-def _backward_depthwise(xp, w1, masks, dy, dres, *, t1: int):
+def _backward_depthwise(xp, w1, masks, dy, dout, *, heads: int, num_heads: int):
+    """-> (d xp [B, T + P, C] in xp.dtype, d w1 [C, t0] fp32, d b1 [C] fp32)."""
     B, Tp, C = xp.shape
-    t0 = w1.shape[1]
-    P = halo(t0, t1)
-    T = Tp - P
-    rows, chans, warps = _DW_TILES[_platform.vendor()]
+    T, t0, t1 = dout.shape[1], w1.shape[1], dy.shape[0]
+    P = Tp - T
+    G, d = num_heads, C // num_heads
+    rows, warps = _DW_TILES[_platform.vendor()]
     rows = min(rows, max(16, _platform.next_pow2(T)))
-    bc = 1
-    while bc * 2 <= chans and C % (bc * 2) == 0:  # a power of two dividing C: no channel padding
-        bc *= 2
     nU = pl.cdiv(Tp, rows)
-    x, w, m, g, r = _vma.vary_to_union(xp, _tap_weights(w1), masks, dy, dres)
-    in_specs = ([pl.BlockSpec((None, Tp, bc), lambda n, i, c: (n, 0, c)),
-                 pl.BlockSpec((w.shape[0], bc), lambda n, i, c: (0, c))]
-                + [pl.BlockSpec((None, None, T, bc), lambda n, i, c, j=j: (j, n, 0, c)) for j in range(t1)]
-                + [pl.BlockSpec((None, T, bc), lambda n, i, c: (n, 0, c))])
-    args = [x, w, *[g] * t1, r]
+    x, w, m, g, do = _vma.vary_to_union(xp, _tap_weights(w1), masks, dy, dout)
+    own, kv_head, group_heads = _head_specs(B, T, d, heads, G - heads, head_axis=2)
+    in_specs = ([pl.BlockSpec((None, Tp, d), lambda n, i, h: (n, 0, h)),
+                 pl.BlockSpec((w.shape[0], d), lambda n, i, h: (0, h))]
+                + [pl.BlockSpec((None, None, T, d), lambda n, i, h, j=j: (j, n, 0, h)) for j in range(t1)]
+                + [own, kv_head, *group_heads])
+    args = [x, w, *[g] * t1, do, do, *[do] * len(group_heads)]
     if m is not None:
-        in_specs.append(pl.BlockSpec((m.shape[0], None, T), lambda n, i, c: (0, n, 0)))
+        in_specs.append(pl.BlockSpec((m.shape[0], None, T), lambda n, i, h: (0, n, 0)))
         args.append(m)
-    part = pl.BlockSpec((None, None, bc), lambda n, i, c: (n, i, c))
+    part = pl.BlockSpec((None, None, d), lambda n, i, h: (n, i, h))
     outs = pl.pallas_call(
-        functools.partial(_bwd_depthwise_kernel, t0=t0, t1=t1, P=P, T=T, rows=rows, has_seg=m is not None),
-        grid=(B, nU, C // bc),
+        functools.partial(_bwd_depthwise_kernel, t0=t0, t1=t1, P=P, T=T, rows=rows, heads=heads,
+                          group=len(group_heads), has_seg=m is not None),
+        grid=(B, nU, G),
         in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, Tp, bc), lambda n, i, c: (n, 0, c))] + [part] * (1 + t0),
+        out_specs=[pl.BlockSpec((None, Tp, d), lambda n, i, h: (n, 0, h))] + [part] * (1 + t0),
         out_shape=[_vma.out_struct((B, Tp, C), xp.dtype, x)] + [_vma.out_struct((B, nU, C), F32, x)] * (1 + t0),
-        compiler_params=_platform.compiler_params(warps, 2),
+        compiler_params=_platform.compiler_params(warps, 1),
         interpret=_platform.interpret(), name="cca_qk_mix_bwd_depthwise",
     )(*args)
     return outs[0], jnp.stack([p.sum(axis=(0, 1)) for p in outs[2:]], axis=1), outs[1].sum(axis=(0, 1))
@@ -357,8 +353,8 @@ def _mix_fwd(xp, w1, b1, w2, b2, masks, heads):
 
 def _mix_bwd(heads, res, dout):
     xp, w1, b1, w2, b2, masks = res
-    dy, dres, dw2, db2 = _backward_grouped(xp, w1, b1, w2, masks, dout, heads=heads)
-    dx, dw1, db1 = _backward_depthwise(xp, w1, masks, dy, dres, t1=w2.shape[-1])
+    dy, dw2, db2 = _backward_grouped(xp, w1, b1, w2, masks, dout)
+    dx, dw1, db1 = _backward_depthwise(xp, w1, masks, dy, dout, heads=heads, num_heads=w2.shape[0])
     return (_vma.sum_to_type_of(dx, xp), _vma.sum_to_type_of(dw1.astype(w1.dtype), w1),
             _vma.sum_to_type_of(db1.astype(b1.dtype), b1), _vma.sum_to_type_of(dw2.astype(w2.dtype), w2),
             _vma.sum_to_type_of(db2.astype(b2.dtype), b2), None if masks is None else jnp.zeros_like(masks))
