@@ -62,7 +62,7 @@ class ModelConfig:
     attention_impl: str = "xla"  # 'xla' | 'pallas' | 'cudnn'  (see zaya_jax/ops/attention.py)
     norm_impl: str = "xla"  # 'xla' | 'pallas'
     ce_impl: str = "xla"  # 'xla' | 'pallas': softmax cross-entropy of the chunked head loss (ops/cross_entropy.py)
-    conv_impl: str = "xla"  # 'xla' | 'pallas': CCA's depthwise causal convolution (ops/cca_conv.py)
+    conv_impl: str = "xla"  # 'xla' | 'pallas': CCA's q/k mixing, both convolutions + mean residuals (ops/cca_conv.py)
     moe_impl: str = "ragged"  # 'ragged' (sort + lax.ragged_dot) | 'pallas' (tile-padded grouped GEMM kernels)
     #                           | 'dense' (reference: every expert on every token)
     remat: str = "full"  # 'none' | 'full' | 'save_dots' | 'save_attention'  (activation checkpoint policy)

@@ -136,7 +136,7 @@ def extra_variants(batch: int, seq: int, gpu: bool) -> list[Variant]:
         r(fwd_bwd, name="fwd_bwd_xla_ce", ce_impl="xla", note="fwd_bwd with XLA's softmax cross-entropy"),
         r(fwd_bwd, name="fwd_bwd_ce4096", ce_chunk=4096, note="fwd_bwd, CE chunks of 4096 tokens"),
         r(fwd_bwd, name="fwd_bwd_pallas_conv", conv_impl="pallas" if gpu else "xla",
-          note="fwd_bwd with the Pallas CCA depthwise-convolution kernels"),
+          note="fwd_bwd with the Pallas CCA q/k mixing kernels (both convolutions, mean residual paths)"),
         # accum16 under one change each (accum16 itself: cast once, per-layer view, 4 gradients per pass)
         r(accum16, name="accum16_cast_per_micro", cast_weights_once=False,
           note="accum16 with the weights cast to bf16 in every microbatch (no compute_view)"),
@@ -147,7 +147,7 @@ def extra_variants(batch: int, seq: int, gpu: bool) -> list[Variant]:
             note=f"accum16 with the gradients of {m} microbatch(es) added to the fp32 sum in one pass")
           for m in (1, 2)),
         r(accum16, name="accum16_pallas_conv", conv_impl="pallas" if gpu else "xla",
-          note="accum16 with the Pallas CCA depthwise-convolution kernels"),
+          note="accum16 with the Pallas CCA q/k mixing kernels (both convolutions, mean residual paths)"),
     ]
 
 
