@@ -30,6 +30,8 @@ DKV_CFGS = [dict(dkv_q=32, dkv_k=128, dkv_warps=8, dkv_stages=3, dkv_split=0),
             dict(dkv_q=32, dkv_k=128, dkv_warps=8, dkv_stages=2, dkv_split=0)]
 NORM_FWD = [NormLaunch(1, 8, 4), NormLaunch(1, 16, 2), NormLaunch(2, 16, 2), NormLaunch(1, 8, 8)]
 NORM_BWD = [NormLaunch(1, 16, 1), NormLaunch(1, 16, 2), NormLaunch(1, 8, 4)]
+# CCA q/k mixing tiles: (head rows, forward warps, backward (A) warps), (depthwise backward rows, warps)
+CONV_TILES = [((32, 4, 4), (32, 4)), ((64, 8, 8), (64, 4)), ((128, 8, 8), (128, 8)), ((64, 4, 8), (32, 8))]
 PARTS = ("norms", "attention", "cca_conv")
 
 
@@ -111,7 +113,8 @@ def main():
         print("cca q/k mixing", flush=True)
         conv_shapes = ([(1, 128, 2, 1, 64, True)] if args.quick
                        else [(2, 4096, 8, 2, 128, False), (2, 4096, 8, 2, 128, True)])
-        report["cca_conv"] = bench.bench_cca_conv(conv_shapes, copy)
+        report["cca_conv"] = bench.bench_cca_conv(conv_shapes[:1], copy, sweep=() if args.no_sweep else CONV_TILES)
+        report["cca_conv"] += bench.bench_cca_conv(conv_shapes[1:], copy)
         ratios.update(cca_conv_fwdbwd_vs_xla=report["cca_conv"][0]["fwdbwd_speedup_vs_xla"],
                       cca_conv_fwdbwd_vs_copy_bandwidth=report["cca_conv"][0]["pallas_fwdbwd_vs_copy"])
     report["ratios"] = ratios

@@ -19,6 +19,7 @@ from pallas_kernels import _attention_blocks as blocks_lib
 from pallas_kernels import _attention_kernels as attn_kern
 from pallas_kernels import _norm_kernels as norm_kern
 from pallas_kernels import _platform, cca_attention, rmsnorm
+from pallas_kernels import cca_conv as cca_conv_kernels
 from pallas_kernels._platform import AttentionBlocks, NormLaunch
 from zaya_jax.model.cca import same_segment_masks
 from zaya_jax.ops import attention as attn_ops
@@ -140,7 +141,7 @@ def _cca_conv_fns(impl: str, heads: int, same_segment):
     return jax.jit(fwd), jax.jit(fwd_bwd)
 
 
-def bench_cca_conv(shapes, copy_tbps: float, t0: int = 2, t1: int = 2):
+def bench_cca_conv(shapes, copy_tbps: float, t0: int = 2, t1: int = 2, sweep=()):
     """CCA's q/k mixing (both convolutions and the mean residual paths; bf16 [B, T + halo, C] in, [B, T, C] out):
     Pallas vs XLA on the same inputs, bandwidth against the copy ceiling counting the arrays the op must move (forward:
     xp in, out; backward: xp and d out in, d xp out). With `documents`, same-document masks of packed rows (a
@@ -165,6 +166,16 @@ def bench_cca_conv(shapes, copy_tbps: float, t0: int = 2, t1: int = 2):
                 entry[f"{impl}_{phase}_vs_copy"] = nbytes[phase] / t / 1e12 / copy_tbps
         for phase in ("fwd", "fwdbwd"):
             entry[f"{phase}_speedup_vs_xla"] = entry[f"xla_{phase}_ms"] / entry[f"pallas_{phase}_ms"]
+        if sweep:  # other tiles of the three kernels, end to end: (head rows, fwd warps, bwd warps), (dw rows, warps)
+            entry["sweep"] = []
+            for head, depthwise in sweep:
+                with cca_conv_kernels.tiles_override(head, depthwise):
+                    fwd, fwd_bwd = _cca_conv_fns("pallas", heads, same)
+                    times = {"fwd_ms": time_call(fwd, xp, w1, b1, w2, b2) * 1e3,
+                             "fwdbwd_ms": time_call(fwd_bwd, xp, w1, b1, w2, b2, dout) * 1e3}
+                entry["sweep"].append(dict(head=head, depthwise=depthwise, **times))
+                print(f"    tiles head={head} depthwise={depthwise}: fwd {times['fwd_ms']:.3f} ms, fwd+bwd "
+                      f"{times['fwdbwd_ms']:.3f} ms", flush=True)
         e = entry
         print(f"  cca qk mix B={B} T={T} heads={heads}+{kv}x{d} documents={documents}: fwd {e['pallas_fwd_ms']:.3f} ms "
               f"({e['pallas_fwd_vs_copy']:.2f} of copy, xla x{e['fwd_speedup_vs_xla']:.2f})  fwd+bwd "

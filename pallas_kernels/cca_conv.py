@@ -22,6 +22,7 @@ the weight gradients are summed back to their primals' types (`_vma`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -46,6 +47,19 @@ _TN = (((0,), (0,)), ((), ()))  # aᵀ @ b
 _HEAD_TILES = {"cuda": (64, 4, 8), "rocm": (64, 2, 4), "cpu": (16, 4, 4)}
 _DW_TILES = {"cuda": (64, 8), "rocm": (64, 4), "cpu": (16, 4)}
 _PROGRAMS_PER_CU = 2  # backward (A): enough (batch, head, chunk, tap) programs to fill the GPU about twice
+
+
+@contextlib.contextmanager
+def tiles_override(head: tuple[int, int, int], depthwise: tuple[int, int]):
+    """Kernels traced inside use these (rows, forward warps, backward (A) warps) and (rows, warps) on this backend
+    (the kernel benchmark times candidates end to end)."""
+    vendor = _platform.vendor()
+    saved = _HEAD_TILES[vendor], _DW_TILES[vendor]
+    _HEAD_TILES[vendor], _DW_TILES[vendor] = head, depthwise
+    try:
+        yield
+    finally:
+        _HEAD_TILES[vendor], _DW_TILES[vendor] = saved
 
 
 def _precision(dtype):
