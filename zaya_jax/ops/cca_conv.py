@@ -12,7 +12,8 @@ columns before t = 0 (the previous chunk's projections, or zeros at a sequence s
     out = round(z) + [q_res | k_res]
 
 y_j is the depthwise output that grouped tap j reads, seen from output t (same_segment[s] [B, T] zeroes columns of an
-earlier document; None: no resets). 'xla' is the jnp reference below; 'pallas' the kernels of
+earlier document; None: no resets). Its bias is never masked: at a sequence start the grouped convolution sees the
+depthwise bias, not zero, at t = -1, as in the reference. 'xla' is the jnp reference below; 'pallas' the kernels of
 pallas_kernels/cca_conv.py (one forward kernel for the whole block). Why a kernel: on the H200 XLA's fusions of this
 block took about 2.6 ms per 2 x 4096-token microbatch over the bench preset's 8 layers, forward and backward
 (benchmarks/train_h200_profile_sources.json: cca.py's _convolve, its grouped GEMMs and the residual lines), several
