@@ -17,7 +17,7 @@ def get_config() -> ConfigDict:
         # the Pallas kernels (Triton lowering: MI300X and NVIDIA); on the H200 the grouped-GEMM experts run 9.3x
         # faster than lax.ragged_dot and the attention 7.8x faster than XLA's (benchmarks/moe_h200.json, tune_h200.json)
         dtype="bfloat16", remat="save_dots", attention_impl="pallas", moe_impl="pallas", norm_impl="pallas",
-        ce_impl="pallas",
+        ce_impl="pallas", conv_impl="pallas",
         # layers unrolled: forward+backward 83.7 ms against 103.9 under lax.scan, and less memory (bench preset,
         # benchmarks/train_h200_explore.json); the price is a longer compile
         scan_layers=False,

@@ -27,14 +27,15 @@ cut short still leaves numbers. Headline keys: tokens_per_s, hf_tokens_per_s, ra
 ratio_vs_hf_same_optimizer, ratio_vs_hf_accum{k}, ratio_labels, breakdown, accumulation,
 long_context, largest_batch.
 
-Measured with this version (benchmarks/train_h200.json, bench preset, batch 2 x 4096): main 200.0 ms = 41.0k
-tokens/s (fwd+bwd 77.2 ms, Muon + AdamW update 125.5 ms) vs HF + torch.compile 104.6 ms = 78.4k; AdamW on both
-sides 1.16x HF; 64 microbatches through the trainer (4 gradients per pass) 108.3k against HF's measured 64-microbatch
-step 90.2k (1.20x; the figure derived from HF's separately timed fwd+bwd and AdamW step, 85.2k, undercounts HF:
-each of those passes was timed alone from an idle GPU; 1.19x in train_h200_repeat.json), the update alone 2.6% of
-that step (head chunks of 4096 tokens then). Head chunks of 8192 tokens, what configs/zaya1_base.py trains with and the
-default since: fwd_bwd 76.1 against 79.6 ms, the 64-microbatch step 0.8% faster at 2 GiB more
-(benchmarks/train_h200_ce_chunk_ab.json).
+Measured with this version (benchmarks/train_h200.json, bench preset, batch 2 x 4096, head chunks of 8192 tokens,
+the Pallas CCA q/k mixing kernels): main 200.9 ms = 40.8k tokens/s (fwd+bwd 76.4 ms, Muon + AdamW update 126.1 ms)
+vs HF + torch.compile 100.7 ms = 81.4k; AdamW on both sides 1.12x HF; 64 microbatches through the trainer (4
+gradients per pass) 107.8k against HF's measured 64-microbatch step 90.0k (1.20x), the update alone 2.6% of that step.
+The q/k mixing kernels against XLA's, in one call (benchmarks/train_h200_qk_mix_ab.json): fwd_bwd 77.2 against
+78.9 ms, 16 microbatches 1324.9 against 1363.3 ms. Head chunks of 8192 tokens (what configs/zaya1_base.py trains
+with; the default since): fwd_bwd 76.1 against 79.6 ms with 4096, the 64-microbatch step 0.8% faster, in one call
+(benchmarks/train_h200_ce_chunk_ab.json); but the 16-microbatch step with XLA's q/k mixing measured 1363-1366 ms in
+two calls with 8192 against 1311-1327 ms in two earlier calls with 4096 (different calls: not an A/B).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def parse_args(argv=None):
     ap.add_argument("--ladder-remat", default="none")
     ap.add_argument("--memory-limit-gib", type=float, default=None,
                     help="plan the searches against this limit instead of the allocator's (tests on the CPU)")
-    # the head chunk configs/zaya1_base.py trains with (4096 measured 0.8% slower at 64 microbatches, 2 GiB less)
+    # the head chunk configs/zaya1_base.py trains with (measurements of 4096 against 8192: the docstring)
     ap.add_argument("--ce-chunk", type=int, default=8192)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--hf-python", default=sys.executable)
