@@ -30,11 +30,6 @@ _NN = (((1,), (0,)), ((), ()))  # a @ b
 _TN = (((0,), (0,)), ((), ()))  # aᵀ @ b
 
 
-def _precision(dtype):
-    # fp32 operands: full-precision dots (Triton would otherwise use TF32); bf16: the tensor cores' native path.
-    return lax.Precision.HIGHEST if jnp.dtype(dtype) == F32 else None
-
-
 def swizzled_tile(p, num_row_tiles: int, num_col_tiles: int, group_rows: int):
     """Program p -> (row tile, column tile), column-major inside bands of `group_rows` row tiles.
 
@@ -91,7 +86,7 @@ def rows_matmul(x, w, tile_group, *, transpose_w: bool, block_n: int, block_k: i
     kernel = functools.partial(
         _rows_kernel, bm=bm, bn=block_n, bk=block_k, k_steps=K // block_k, num_row_tiles=T,
         num_col_tiles=num_col_tiles, group_rows=group_rows, num_groups=E, transpose_w=transpose_w,
-        precision=_precision(x.dtype))
+        precision=_platform.dot_precision(x.dtype))
     return pl.pallas_call(
         kernel,
         out_shape=_vma.out_struct((M, n_out), x.dtype, x),
@@ -134,7 +129,7 @@ def group_wgrad(dy, x, group_tile_start, group_tile_count, *, block_rows: int, b
                          f"({block_n}, {block_k}) do not tile")
     kernel = functools.partial(
         _wgrad_kernel, bm=block_rows, rows_step=rows_step, bn=block_n, bk=block_k, num_n_tiles=n_out // block_n,
-        num_k_tiles=K // block_k, precision=_precision(x.dtype))
+        num_k_tiles=K // block_k, precision=_platform.dot_precision(x.dtype))
     return pl.pallas_call(
         kernel,
         out_shape=_vma.out_struct((E, n_out, K), x.dtype, x),

@@ -37,6 +37,12 @@ def compiler_params(num_warps: int, num_stages: int) -> plgpu.CompilerParams:
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
+def dot_precision(dtype):
+    """Precision of a kernel's dots: fp32 operands get full-precision dots (Triton would otherwise use TF32), bf16
+    the tensor cores' native path."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
 BACKWARDS = ("split", "atomic", "tiles")
 
 

@@ -62,11 +62,6 @@ def tiles_override(head: tuple[int, int, int], depthwise: tuple[int, int]):
         _HEAD_TILES[vendor], _DW_TILES[vendor] = saved
 
 
-def _precision(dtype):
-    # fp32 operands: full-precision dots (Triton would otherwise use TF32); bf16: the tensor cores' native path.
-    return lax.Precision.HIGHEST if jnp.dtype(dtype) == F32 else None
-
-
 def _head_tiles(T: int) -> tuple[int, int, int]:
     rows, fwd_warps, bwd_warps = _HEAD_TILES[_platform.vendor()]
     return min(rows, max(16, _platform.next_pow2(T))), fwd_warps, bwd_warps
@@ -185,7 +180,7 @@ def _forward(xp, w1, b1, w2, b2, masks, *, heads: int):
         args.append(m)
     return pl.pallas_call(
         functools.partial(_fwd_kernel, t0=t0, t1=t1, P=P, T=T, rows=rows, heads=heads, group=len(group_heads),
-                          has_seg=m is not None, precision=_precision(xp.dtype)),
+                          has_seg=m is not None, precision=_platform.dot_precision(xp.dtype)),
         grid=(B, pl.cdiv(T, rows), G),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((None, T, d), lambda n, i, g: (n, 0, g)),
@@ -264,7 +259,7 @@ def _backward_grouped(xp, w1, b1, w2, masks, dout):
                  _vma.out_struct((B, chunks, C), F32, x)]
     dy, dw2, db2 = pl.pallas_call(
         functools.partial(_bwd_grouped_kernel, t0=t0, t1=t1, P=P, T=T, rows=rows, chunks=chunks,
-                          has_seg=m is not None, precision=_precision(xp.dtype)),
+                          has_seg=m is not None, precision=_platform.dot_precision(xp.dtype)),
         grid=(B, G, chunks, t1),
         in_specs=in_specs,
         out_specs=out_specs,

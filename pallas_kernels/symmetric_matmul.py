@@ -219,7 +219,7 @@ def _gram_local(x, addend, config):
     xb = _platform.pad_to_multiple(_platform.pad_to_multiple(xb, 1, tile_cols), 2, tile_k)
     _, mp, kp = xb.shape
     num_col_blocks = mp // tile_cols
-    precision = lax.Precision.HIGHEST if jnp.dtype(x.dtype) == jnp.float32 else None
+    precision = _platform.dot_precision(x.dtype)
     wide = tile_cols // tile
     per_matrix = (num_upper_tiles(num_col_blocks, wide) if tiling.upper_only
                   else (mp // tile) * num_col_blocks)
