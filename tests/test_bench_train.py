@@ -23,6 +23,7 @@ from zaya_jax.train.bench_variants import (
     default_variants,
     extra_variants,
     select,
+    with_ce_chunk,
 )
 
 
@@ -53,6 +54,17 @@ def test_selection_and_validation():
         select(vs, searches, [], "main,nope", "")
     with pytest.raises(ValueError, match="accum"):
         Variant("x", 2, 32, accum=4)
+
+
+def test_the_ce_chunk_option_leaves_the_other_side_of_an_ab_alone():
+    """--ce-chunk sets the head chunk of the variants on the default one; an A/B variant naming its own chunk (or full
+    logits) keeps it, else fwd_bwd_ce4096 would time the same program as fwd_bwd."""
+    defaults, _ = default_variants(2, 4096, gpu=True, long_seq=32768, ladder=[4], accums=[16])
+    by_name = {v.name: v for v in defaults + extra_variants(2, 4096, True)}
+    assert with_ce_chunk(by_name["fwd_bwd"], 2048).ce_chunk == 2048
+    assert with_ce_chunk(by_name["fwd_bwd_ce4096"], 2048).ce_chunk == 4096
+    assert with_ce_chunk(by_name["accum16_ce4096"], 2048).ce_chunk == 4096
+    assert with_ce_chunk(by_name["full_ce"], 2048).ce_chunk is None
 
 
 class FakeCompiled:

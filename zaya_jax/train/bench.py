@@ -106,7 +106,7 @@ def run(args) -> dict:
     from zaya_jax.train.bench_report import summarize
     from zaya_jax.train.bench_runner import Runner
     from zaya_jax.train.bench_timing import Clock
-    from zaya_jax.train.bench_variants import default_variants, extra_variants, select
+    from zaya_jax.train.bench_variants import default_variants, extra_variants, select, with_ce_chunk
     from zaya_jax.train.flops import active_matmul_params, flops_per_token
 
     clock = Clock(args.time_budget)
@@ -136,9 +136,9 @@ def run(args) -> dict:
                                           ints(args.accum), args.ladder_remat)
     variants, searches = select(variants, searches, extra_variants(args.batch, args.seq, gpu), args.variants,
                                 args.skip)
-    variants = [dataclasses.replace(v, ce_chunk=args.ce_chunk) if v.ce_chunk else v for v in variants]
-    searches = [dataclasses.replace(s, candidates=tuple(dataclasses.replace(c, ce_chunk=args.ce_chunk)
-                                                        for c in s.candidates)) for s in searches]
+    variants = [with_ce_chunk(v, args.ce_chunk) for v in variants]
+    searches = [dataclasses.replace(s, candidates=tuple(with_ce_chunk(c, args.ce_chunk) for c in s.candidates))
+                for s in searches]
     report["variant_order"] = [v.name for v in variants]
     report["search_candidates"] = {s.name: [c.name for c in s.candidates] for s in searches}
     log(f"{dev.device_kind} ({dev.platform}), jax {jax.__version__}, variants {report['variant_order']}, searches "

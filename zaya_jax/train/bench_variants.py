@@ -65,6 +65,13 @@ class Search:
             raise ValueError(f"search {self.name}: mode {self.mode!r} not 'first' or 'largest'")
 
 
+def with_ce_chunk(v: Variant, chunk: int) -> Variant:
+    """--ce-chunk: the head chunk of every variant that keeps the default one (a variant that names its own chunk, or
+    full logits, is the other side of an A/B and keeps it)."""
+    default = Variant.__dataclass_fields__["ce_chunk"].default
+    return dataclasses.replace(v, ce_chunk=chunk) if v.ce_chunk == default else v
+
+
 def context_name(seq: int) -> str:
     return f"ctx{seq // 1024}k" if seq % 1024 == 0 else f"ctx{seq}"
 
@@ -148,6 +155,7 @@ def extra_variants(batch: int, seq: int, gpu: bool) -> list[Variant]:
           for m in (1, 2)),
         r(accum16, name="accum16_xla_conv", conv_impl="xla",
           note="accum16 with XLA's CCA q/k mixing (both convolutions, mean residual paths)"),
+        r(accum16, name="accum16_ce4096", ce_chunk=4096, note="accum16, CE chunks of 4096 tokens"),
     ]
 
 
