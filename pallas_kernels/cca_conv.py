@@ -62,9 +62,14 @@ def tiles_override(head: tuple[int, int, int], depthwise: tuple[int, int]):
         _HEAD_TILES[vendor], _DW_TILES[vendor] = saved
 
 
+def _fit_rows(rows: int, T: int) -> int:
+    """A tile of at most `rows` time rows, no taller than T rounded up to a power of two (at least 16)."""
+    return min(rows, max(16, _platform.next_pow2(T)))
+
+
 def _head_tiles(T: int) -> tuple[int, int, int]:
     rows, fwd_warps, bwd_warps = _HEAD_TILES[_platform.vendor()]
-    return min(rows, max(16, _platform.next_pow2(T))), fwd_warps, bwd_warps
+    return _fit_rows(rows, T), fwd_warps, bwd_warps
 
 
 def _row_index(first, rows: int, n: int):
@@ -120,17 +125,19 @@ def _query_residual(q, k, dtype):
     return _round(_round(q + k, dtype) * 0.5, dtype)
 
 
-def _head_specs(B: int, Tp: int, d: int, heads: int, kv: int, head_axis: int):
-    """BlockSpecs of the [B, Tp, C] input seen per head (grid axis `head_axis` is the head g, axis 0 the batch): the
-    head's own channels, its KV head's (query heads) and the query heads of its group (KV heads)."""
+def _head_spec(length: int, d: int, head_axis: int, block_of=lambda g: g):
+    """BlockSpec of a [B, length, C] array seen per head: grid axis 0 is the batch, axis `head_axis` the head g, whose
+    block is the d channels of head block_of(g)."""
+    return pl.BlockSpec((None, length, d), lambda *p: (p[0], 0, block_of(p[head_axis])))
+
+
+def _head_specs(length: int, d: int, heads: int, kv: int, head_axis: int):
+    """The head's own channels, its KV head's (query heads) and the query heads of its group (KV heads)."""
     group = heads // kv
-
-    def spec(block_of):
-        return pl.BlockSpec((None, Tp, d), lambda *p: (p[0], 0, block_of(p[head_axis])))
-
-    own = spec(lambda g: g)
-    kv_head = spec(lambda g: heads + lax.div(jnp.minimum(g, heads - 1), group))
-    group_heads = [spec(lambda g, h=h: jnp.minimum(jnp.maximum(g - heads, 0), kv - 1) * group + h)
+    own = _head_spec(length, d, head_axis)
+    kv_head = _head_spec(length, d, head_axis, lambda g: heads + lax.div(jnp.minimum(g, heads - 1), group))
+    group_heads = [_head_spec(length, d, head_axis,
+                              lambda g, h=h: jnp.minimum(jnp.maximum(g - heads, 0), kv - 1) * group + h)
                    for h in range(group)]
     return own, kv_head, group_heads
 
@@ -170,7 +177,7 @@ def _forward(xp, w1, b1, w2, b2, masks, *, heads: int):
     rows, warps, _ = _head_tiles(T)
     x, w1t, b1f, w2t, b2f, m = _vma.vary_to_union(xp, _tap_weights(w1), b1.astype(F32), _per_tap(w2),
                                                    b2.astype(F32), masks)
-    own, kv_head, group_heads = _head_specs(B, Tp, d, heads, G - heads, head_axis=2)
+    own, kv_head, group_heads = _head_specs(Tp, d, heads, G - heads, head_axis=2)
     in_specs = [own, kv_head, *group_heads,
                 pl.BlockSpec((w1t.shape[0], d), lambda n, i, g: (0, g)), pl.BlockSpec((d,), lambda n, i, g: (g,)),
                 pl.BlockSpec((t1, None, d, d), lambda n, i, g: (0, g, 0, 0)), pl.BlockSpec((d,), lambda n, i, g: (g,))]
@@ -183,7 +190,7 @@ def _forward(xp, w1, b1, w2, b2, masks, *, heads: int):
                           has_seg=m is not None, precision=_platform.dot_precision(xp.dtype)),
         grid=(B, pl.cdiv(T, rows), G),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((None, T, d), lambda n, i, g: (n, 0, g)),
+        out_specs=_head_spec(T, d, head_axis=2),
         out_shape=_vma.out_struct((B, T, C), xp.dtype, x),
         compiler_params=_platform.compiler_params(warps, 2),
         interpret=_platform.interpret(), name="cca_qk_mix_fwd",
@@ -243,8 +250,7 @@ def _backward_grouped(xp, w1, b1, w2, masks, dout):
     n_tiles = pl.cdiv(T, rows)
     chunks = max(1, min(n_tiles, math.ceil(_PROGRAMS_PER_CU * _platform.compute_units() / (B * G * t1))))
     x, do, w1t, b1f, w2t, m = _vma.vary_to_union(xp, dout, _tap_weights(w1), b1.astype(F32), _per_tap(w2), masks)
-    in_specs = [pl.BlockSpec((None, Tp, d), lambda n, g, c, j: (n, 0, g)),
-                pl.BlockSpec((None, T, d), lambda n, g, c, j: (n, 0, g)),
+    in_specs = [_head_spec(Tp, d, head_axis=1), _head_spec(T, d, head_axis=1),
                 pl.BlockSpec((w1t.shape[0], d), lambda n, g, c, j: (0, g)),
                 pl.BlockSpec((d,), lambda n, g, c, j: (g,)),
                 pl.BlockSpec((None, None, d, d), lambda n, g, c, j: (j, g, 0, 0))]
@@ -324,11 +330,11 @@ def _backward_depthwise(xp, w1, masks, dy, dout, *, heads: int, num_heads: int):
     P = Tp - T
     G, d = num_heads, C // num_heads
     rows, warps = _DW_TILES[_platform.vendor()]
-    rows = min(rows, max(16, _platform.next_pow2(T)))
+    rows = _fit_rows(rows, T)
     nU = pl.cdiv(Tp, rows)
     x, w, m, g, do = _vma.vary_to_union(xp, _tap_weights(w1), masks, dy, dout)
-    own, kv_head, group_heads = _head_specs(B, T, d, heads, G - heads, head_axis=2)
-    in_specs = ([pl.BlockSpec((None, Tp, d), lambda n, i, h: (n, 0, h)),
+    own, kv_head, group_heads = _head_specs(T, d, heads, G - heads, head_axis=2)
+    in_specs = ([_head_spec(Tp, d, head_axis=2),
                  pl.BlockSpec((w.shape[0], d), lambda n, i, h: (0, h))]
                 + [pl.BlockSpec((None, None, T, d), lambda n, i, h, j=j: (j, n, 0, h)) for j in range(t1)]
                 + [own, kv_head, *group_heads])
@@ -342,7 +348,7 @@ def _backward_depthwise(xp, w1, masks, dy, dout, *, heads: int, num_heads: int):
                           group=len(group_heads), has_seg=m is not None),
         grid=(B, nU, G),
         in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, Tp, d), lambda n, i, h: (n, 0, h))] + [part] * (1 + t0),
+        out_specs=[_head_spec(Tp, d, head_axis=2)] + [part] * (1 + t0),
         out_shape=[_vma.out_struct((B, Tp, C), xp.dtype, x)] + [_vma.out_struct((B, nU, C), F32, x)] * (1 + t0),
         compiler_params=_platform.compiler_params(warps, 1),
         interpret=_platform.interpret(), name="cca_qk_mix_bwd_depthwise",
