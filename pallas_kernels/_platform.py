@@ -76,10 +76,21 @@ class AttentionBlocks:
     bwd: str = "split"
     tiles_dq_warps: int = 4  # the dq-from-dS-tiles kernel (one dk/dv query tile of rows per program)
     tiles_dq_stages: int = 3
+    # Share of each unmasked key tile's exponentials run as an FMA polynomial instead of on the special-function
+    # unit (0, 0.5: the tile's second half, or 1; bf16/fp16 only, see _fma_exp2) in the forward, dq, dk/dv kernels.
+    fwd_fma_exp: float = 0.0
+    dq_fma_exp: float = 0.0
+    dkv_fma_exp: float = 0.0
 
     def __post_init__(self):
         if self.bwd not in BACKWARDS:
             raise ValueError(f"AttentionBlocks.bwd={self.bwd!r}: expected one of {BACKWARDS}")
+        for name in ("fwd_fma_exp", "dq_fma_exp", "dkv_fma_exp"):
+            if getattr(self, name) not in (0, 0.5, 1):
+                raise ValueError(f"AttentionBlocks.{name}={getattr(self, name)!r}: expected 0, 0.5 or 1")
+        if self.dkv_fma_exp == 0.5 and self.bwd != "split":
+            raise ValueError("AttentionBlocks.dkv_fma_exp=0.5 splits the dk/dv key tile, which only the split "
+                             f"backward supports (bwd={self.bwd!r})")
 
     def clipped(self, q_len: int, kv_len: int) -> AttentionBlocks:
         """Shrinks tiles for short sequences (never below 16, the smallest Triton dot)."""
