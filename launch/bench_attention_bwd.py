@@ -111,14 +111,6 @@ VARIANTS = {
     "dq_q64k64w4s3": _dq(64, 64, 4, 3),
     "dq_q64k64w8s3h2": _dq(64, 64, 8, 3, 2),
     "dq_q64k128w8s2h2": _dq(64, 128, 8, 2, 2),
-    # exponentials of the unmasked key tiles on the FMA pipes (pallas_kernels/_fma_exp2): half or all of each tile
-    "fwd_fma_half": dict(fwd_fma_exp=0.5),
-    "fwd_fma_all": dict(fwd_fma_exp=1),
-    "dq_fma_half": dict(bwd="split", dq_fma_exp=0.5),
-    "dq_fma_all": dict(bwd="split", dq_fma_exp=1),
-    "dkv_fma_half": dict(bwd="split", dkv_fma_exp=0.5),
-    "dkv_fma_all": dict(bwd="split", dkv_fma_exp=1),
-    "fma_half": dict(bwd="split", fwd_fma_exp=0.5, dq_fma_exp=0.5, dkv_fma_exp=0.5),
 }
 
 

@@ -35,7 +35,6 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _platform
 from pallas_kernels import _vma
-from pallas_kernels._fma_exp2 import exp2_parts
 from pallas_kernels._relaxed_atomic import relaxed_atomic_add
 
 F32 = jnp.float32
@@ -137,39 +136,31 @@ def _query_grid_specs(B, Tp, Sp, H, KV, dp, bq, heads):
 
 
 # ------------------------------------------------------------------------------------------------------ forward
-def _fwd_kernel(rng_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *rest, c, block_k, heads, has_seg, has_window,
-                fma_exp):
+def _fwd_kernel(rng_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *rest, c, block_k, heads, has_seg, has_window):
     qs_ref, ks_ref, window, (o_ref, lse_ref) = _optional_refs(rest, has_seg, has_window, 2)
     q = _stack(q_ref[...], heads)
     rows, dp = q.shape
     q_pos = _per_row(qp_ref[...], heads)[:, None]
     q_seg = _per_row(qs_ref[...], heads)[:, None] if has_seg else None
-    # Unmasked key tiles may run part of their exponentials on the FMA pipes (`_fma_exp2`): one dot per part.
-    parts = exp2_parts(block_k, fma_exp, q.dtype)
 
     def run(lo, hi, carry, masked):
         def step(j, carry):
             acc, m, l = carry
             start = pl.multiple_of(j * block_k, block_k)
+            qk = plgpu.dot(q, k_ref[pl.ds(start, block_k), :], trans_b=True)
             if masked:
-                qk = plgpu.dot(q, k_ref[pl.ds(start, block_k), :], trans_b=True)
                 kv_seg = ks_ref[pl.ds(start, block_k)][None, :] if has_seg else None
                 ok = _visible(q_pos, kp_ref[pl.ds(start, block_k)][None, :], q_seg, kv_seg, window)
                 s = jnp.where(ok, qk * c, NEG)
                 m_new = jnp.maximum(m, jnp.max(s, axis=1))
-                ps = [(0, block_k, jnp.exp2(s - m_new[:, None]))]
+                p = jnp.exp2(s - m_new[:, None])
             else:
-                qks = [plgpu.dot(q, k_ref[pl.ds(start + off, size), :], trans_b=True) for off, size, _ in parts]
-                m_new = m
-                for qk in qks:
-                    m_new = jnp.maximum(m_new, jnp.max(qk, axis=1) * c)
-                ps = [(off, size, exp2(qk * c - m_new[:, None])) for (off, size, exp2), qk in zip(parts, qks)]
+                m_new = jnp.maximum(m, jnp.max(qk, axis=1) * c)
+                p = jnp.exp2(qk * c - m_new[:, None])
             alpha = jnp.exp2(m - m_new)
-            acc, l = acc * alpha[:, None], l * alpha
-            for off, size, p in ps:
-                v = v_ref[pl.ds(start + off, size), :]
-                acc, l = acc + plgpu.dot(p.astype(v.dtype), v), l + jnp.sum(p, axis=1)
-            return acc, m_new, l
+            v = v_ref[pl.ds(start, block_k), :]
+            acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
+            return acc, m_new, l * alpha + jnp.sum(p, axis=1)
         return lax.fori_loop(lo, hi, step, carry)
 
     init = (jnp.zeros((rows, dp), F32), jnp.full((rows,), NEG, F32), jnp.zeros((rows,), F32))
@@ -193,7 +184,7 @@ def forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, window, ranges, *, scale, blo
     in_specs = [sp["ranges"], sp["q"], sp["kv"], sp["kv"], sp["q_vec"], sp["kv_vec"]] + opt_specs
     return pl.pallas_call(
         functools.partial(_fwd_kernel, c=scale * LOG2E, block_k=bk, heads=heads, has_seg=q_seg is not None,
-                          has_window=window is not None, fma_exp=blocks.fwd_fma_exp),
+                          has_window=window is not None),
         grid=(H // heads, B, Tp // bq),
         in_specs=in_specs,
         out_specs=[sp["q"], sp["stats"]],
@@ -205,7 +196,7 @@ def forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, window, ranges, *, scale, blo
 
 # ----------------------------------------------------------------------------------------------------------- dq
 def _dq_kernel(rng_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, *rest, c, scale,
-               block_k, heads, has_seg, has_window, fma_exp):
+               block_k, heads, has_seg, has_window):
     qs_ref, ks_ref, window, (dq_ref,) = _optional_refs(rest, has_seg, has_window, 1)
     q, do = _stack(q_ref[...], heads), _stack(do_ref[...], heads)
     lse = _stats_rows(lse_ref[...], heads)[:, None]
@@ -213,24 +204,20 @@ def _dq_kernel(rng_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref,
     q_pos = _per_row(qp_ref[...], heads)[:, None]
     q_seg = _per_row(qs_ref[...], heads)[:, None] if has_seg else None
 
-    parts = exp2_parts(block_k, fma_exp, q.dtype)
-
     def run(lo, hi, dq, masked):
         def step(j, dq):
             start = pl.multiple_of(j * block_k, block_k)
-            for off, size, exp2 in [(0, block_k, jnp.exp2)] if masked else parts:
-                k = k_ref[pl.ds(start + off, size), :]
-                qk = plgpu.dot(q, k, trans_b=True)
-                if masked:
-                    kv_seg = ks_ref[pl.ds(start, block_k)][None, :] if has_seg else None
-                    ok = _visible(q_pos, kp_ref[pl.ds(start, block_k)][None, :], q_seg, kv_seg, window)
-                    p = exp2(jnp.where(ok, qk * c, NEG) - lse)
-                else:
-                    p = exp2(qk * c - lse)
-                dp = plgpu.dot(do, v_ref[pl.ds(start + off, size), :], trans_b=True)
-                ds = p * (dp - delta)
-                dq = dq + plgpu.dot(ds.astype(k.dtype), k)
-            return dq
+            k = k_ref[pl.ds(start, block_k), :]
+            qk = plgpu.dot(q, k, trans_b=True)
+            if masked:
+                kv_seg = ks_ref[pl.ds(start, block_k)][None, :] if has_seg else None
+                ok = _visible(q_pos, kp_ref[pl.ds(start, block_k)][None, :], q_seg, kv_seg, window)
+                p = jnp.exp2(jnp.where(ok, qk * c, NEG) - lse)
+            else:
+                p = jnp.exp2(qk * c - lse)
+            dp = plgpu.dot(do, v_ref[pl.ds(start, block_k), :], trans_b=True)
+            ds = p * (dp - delta)
+            return dq + plgpu.dot(ds.astype(k.dtype), k)
         return lax.fori_loop(lo, hi, step, dq)
 
     dq = _three_loops(rng_ref, run, jnp.zeros(q.shape, F32))
@@ -250,7 +237,7 @@ def backward_dq(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, 
                 sp["kv_vec"]] + opt_specs
     return pl.pallas_call(
         functools.partial(_dq_kernel, c=scale * LOG2E, scale=scale, block_k=bk, heads=heads,
-                          has_seg=q_seg is not None, has_window=window is not None, fma_exp=blocks.dq_fma_exp),
+                          has_seg=q_seg is not None, has_window=window is not None),
         grid=(H // heads, B, Tp // bq),
         in_specs=in_specs,
         out_specs=sp["q"],
@@ -262,7 +249,7 @@ def backward_dq(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, 
 
 # ------------------------------------------------------------------------------------------------------- dk, dv
 def _dkv_kernel(rng_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, *rest, c, scale,
-                block_q, groups, heads, has_seg, has_window, with_dq, store_ds, fma_exp):
+                block_q, groups, heads, has_seg, has_window, with_dq, store_ds):
     """One key block of one KV head; loops over (query block, block of `heads` query heads) pairs of its group.
     The logits are computed transposed ([block_k, query rows]) so dk and dv accumulate without transposes.
     with_dq (the fused backward): each step also adds its unscaled dq contribution ds . k to the zero-initialised
@@ -274,29 +261,22 @@ def _dkv_kernel(rng_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref
         qs_ref, ks_ref, window, (dk_ref, dv_ref, ds_ref) = _optional_refs(rest, has_seg, has_window, 3)
     else:
         qs_ref, ks_ref, window, (dk_ref, dv_ref) = _optional_refs(rest, has_seg, has_window, 2)
-    block_k = k_ref.shape[0]
-    # Unmasked tiles may run part of their exponentials on the FMA pipes (`_fma_exp2`): the key tile is then split
-    # into parts, each with its own dots and dk/dv accumulators.
-    parts = exp2_parts(block_k, fma_exp, q_ref.dtype)
-    if len(parts) > 1 and (with_dq or store_ds):
-        raise ValueError("dkv_fma_exp=0.5 (split key tiles) is for the split backward only")
-    # K, V, positions and segments of each part stay in registers for the whole loop
-    kv_parts = [(k_ref[pl.ds(off, size), :], v_ref[pl.ds(off, size), :], kp_ref[pl.ds(off, size)][:, None],
-                 ks_ref[pl.ds(off, size)][:, None] if has_seg else None) for off, size, _ in parts]
+    k, v = k_ref[...], v_ref[...]
+    kv_pos = kp_ref[...][:, None]
+    kv_seg = ks_ref[...][:, None] if has_seg else None
     head_blocks = groups // heads
     # Stacked rows are gathered straight from memory: row r is (position start + r // heads, head h0 + r % heads).
     # No in-kernel reshape of [block_q, heads, dp] tiles (or [heads, block_q] statistics): with those, dk (and
     # only dk) came out 5-16% wrong and run-to-run different on the H200 while exact in interpret mode.
     row = lax.broadcasted_iota(jnp.int32, (block_q * heads,), 0)
     row_pos, row_head = lax.div(row, heads), lax.rem(row, heads)
-    col = lax.broadcasted_iota(jnp.int32, (k_ref.shape[1],), 0)
+    col = lax.broadcasted_iota(jnp.int32, (k.shape[1],), 0)
 
     def run(lo, hi, carry, masked):
         first_tile = rng_ref[4] + (lo - rng_ref[0]) * head_blocks if store_ds else None
-        # masked steps split the key tile the same way (one accumulator pair per part) but keep the exact exp2
-        step_parts = [(off, size, jnp.exp2) for off, size, _ in parts] if masked else parts
 
         def step(t, carry):
+            dk, dv = carry
             # consecutive steps share a query block, so its positions and masks stay in cache
             h0 = lax.rem(t, head_blocks) * heads
             start = pl.multiple_of((lo + lax.div(t, head_blocks)) * block_q, block_q)
@@ -305,36 +285,31 @@ def _dkv_kernel(rng_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref
             else:
                 pos, hd = start + row_pos, h0 + row_head
             q, do = q_ref[pos, hd, :], do_ref[pos, hd, :]  # [query rows, dp]
+            qk_t = plgpu.dot(k, q, trans_b=True)  # [block_k, query rows]
             lse = lse_ref[hd, pos][None, :]
-            delta = delta_ref[hd, pos][None, :]
-            out = []
-            for (_, _, exp2), (k, v, kv_pos, kv_seg), dk, dv in zip(step_parts, kv_parts, *carry):
-                qk_t = plgpu.dot(k, q, trans_b=True)  # [keys, query rows]
-                if masked:
-                    q_seg = qs_ref[pos][None, :] if has_seg else None
-                    ok = _visible(qp_ref[pos][None, :], kv_pos, q_seg, kv_seg, window)
-                    p_t = exp2(jnp.where(ok, qk_t * c, NEG) - lse)
-                else:
-                    p_t = exp2(qk_t * c - lse)
-                dv = dv + plgpu.dot(p_t.astype(do.dtype), do)
-                dp_t = plgpu.dot(v, do, trans_b=True)
-                ds_t = (p_t * (dp_t - delta)).astype(q.dtype)
-                if with_dq:
-                    dq_part = plgpu.dot(ds_t, k, trans_a=True)  # [query rows, dp]
-                    # stacked: integer indices on every axis (the interpreter's atomics reject mixed slice/array)
-                    idx = (pos, hd, slice(None)) if heads == 1 else (pos[:, None], hd[:, None], col[None, :])
-                    relaxed_atomic_add(dq_ref, idx, dq_part)
-                if store_ds:
-                    ds_ref[first_tile + t] = ds_t
-                out.append((dk + plgpu.dot(ds_t, q), dv))
-            return tuple(o[0] for o in out), tuple(o[1] for o in out)
+            if masked:
+                q_seg = qs_ref[pos][None, :] if has_seg else None
+                ok = _visible(qp_ref[pos][None, :], kv_pos, q_seg, kv_seg, window)
+                p_t = jnp.exp2(jnp.where(ok, qk_t * c, NEG) - lse)
+            else:
+                p_t = jnp.exp2(qk_t * c - lse)
+            dv = dv + plgpu.dot(p_t.astype(do.dtype), do)
+            dp_t = plgpu.dot(v, do, trans_b=True)
+            ds_t = (p_t * (dp_t - delta_ref[hd, pos][None, :])).astype(q.dtype)
+            if with_dq:
+                dq_part = plgpu.dot(ds_t, k, trans_a=True)  # [query rows, dp]
+                # stacked: integer indices on every axis (the interpreter's atomics reject mixed slice/array ones)
+                idx = (pos, hd, slice(None)) if heads == 1 else (pos[:, None], hd[:, None], col[None, :])
+                relaxed_atomic_add(dq_ref, idx, dq_part)
+            if store_ds:
+                ds_ref[first_tile + t] = ds_t
+            return dk + plgpu.dot(ds_t, q), dv
         return lax.fori_loop(0, (hi - lo) * head_blocks, step, carry)
 
-    zeros = jnp.zeros((parts[0][1], k_ref.shape[1]), F32)
-    dks, dvs = _three_loops(rng_ref, run, ((zeros,) * len(parts), (zeros,) * len(parts)))
-    for (off, size, _), dk, dv in zip(parts, dks, dvs):
-        dk_ref[pl.ds(off, size), :] = (dk * scale).astype(dk_ref.dtype)
-        dv_ref[pl.ds(off, size), :] = dv.astype(dv_ref.dtype)
+    zeros = jnp.zeros(k.shape, F32)
+    dk, dv = _three_loops(rng_ref, run, (zeros, zeros))
+    dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
 def dkv_split(heads: int, kv_heads: int, batch: int, n_kv_blocks: int, requested: int) -> int:
@@ -412,8 +387,7 @@ def _dkv_call(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ra
         out_shapes.append(_vma.out_struct((B, KV * split, n_tiles, bk, bq * heads), q.dtype, q))
     outs = pl.pallas_call(
         functools.partial(_dkv_kernel, c=scale * LOG2E, scale=scale, block_q=bq, groups=groups, heads=heads,
-                          has_seg=has_seg, has_window=window is not None, with_dq=with_dq, store_ds=store_ds,
-                          fma_exp=blocks.dkv_fma_exp),
+                          has_seg=has_seg, has_window=window is not None, with_dq=with_dq, store_ds=store_ds),
         grid=(KV * split, B, nk),
         in_specs=in_specs,
         out_specs=out_specs,

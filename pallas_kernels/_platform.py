@@ -76,21 +76,10 @@ class AttentionBlocks:
     bwd: str = "split"
     tiles_dq_warps: int = 4  # the dq-from-dS-tiles kernel (one dk/dv query tile of rows per program)
     tiles_dq_stages: int = 3
-    # Share of each unmasked key tile's exponentials run as an FMA polynomial instead of on the special-function
-    # unit (0, 0.5: the tile's second half, or 1; bf16/fp16 only, see _fma_exp2) in the forward, dq, dk/dv kernels.
-    fwd_fma_exp: float = 0.0
-    dq_fma_exp: float = 0.0
-    dkv_fma_exp: float = 0.0
 
     def __post_init__(self):
         if self.bwd not in BACKWARDS:
             raise ValueError(f"AttentionBlocks.bwd={self.bwd!r}: expected one of {BACKWARDS}")
-        for name in ("fwd_fma_exp", "dq_fma_exp", "dkv_fma_exp"):
-            if getattr(self, name) not in (0, 0.5, 1):
-                raise ValueError(f"AttentionBlocks.{name}={getattr(self, name)!r}: expected 0, 0.5 or 1")
-        if self.dkv_fma_exp == 0.5 and self.bwd != "split":
-            raise ValueError("AttentionBlocks.dkv_fma_exp=0.5 splits the dk/dv key tile, which only the split "
-                             f"backward supports (bwd={self.bwd!r})")
 
     def clipped(self, q_len: int, kv_len: int) -> AttentionBlocks:
         """Shrinks tiles for short sequences (never below 16, the smallest Triton dot)."""
@@ -129,7 +118,13 @@ _ATTENTION = {
     # the matmuls, as FA3 and cuDNN do) cannot be reached from Pallas: with `tt.warp_specialize` set on the loops of
     # the lowered module and 4 warps, XLA's Triton pipeline aborts ("unsupported load type for producer commit"), for
     # a plain matmul loop too; its producer partition needs TMA descriptor loads, which the Pallas Triton lowering
-    # does not emit (launch/probe_warp_specialize.py, benchmarks/warp_specialize_probe_h200.json).
+    # does not emit (launch/probe_warp_specialize.py, benchmarks/warp_specialize_probe_h200.json). Exponentials of
+    # the unmasked tiles moved off the special-function unit onto the FMA pipes (a cubic polynomial and an exponent
+    # add, FlashAttention-4's trick; half or all of each key tile) made every kernel slower at both shapes: forward
+    # 5.20 / 5.80 ms for half / all against 4.73 at T=32768, dq 6.60 against 5.56 with all, split dk/dv tiles 2.8x
+    # slower (benchmarks/attention_fma_exp_h200.json). The ~8 added FMA-pipe ops per logit cost what they would if
+    # run alone, so the kernels are bound by issued instructions next to the matmuls, not by the exp unit; the
+    # option was removed. Flushing denormals (XLA_FLAGS=--xla_gpu_ftz=true) left the times within noise.
     "cuda": AttentionBlocks(fwd_q=128, fwd_k=128, fwd_warps=8, fwd_stages=3, dq_stages=4, dkv_q=32, dkv_heads=2,
                             bwd="tiles", tiles_dq_stages=2),
     # MI300X: 64-lane wavefronts (4 waves = 256 lanes), AMD's Triton pipeliner wants num_stages 1-2.

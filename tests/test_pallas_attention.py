@@ -11,7 +11,6 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import _attention_blocks as blocks_lib
-from pallas_kernels import _fma_exp2 as fma_exp2
 from pallas_kernels import _platform, _vma
 from pallas_kernels import cca_attention as pk
 from zaya_jax.ops import attention as ops
@@ -124,35 +123,6 @@ def test_query_tile_whose_key_blocks_are_not_contiguous(bwd):
     seg = jnp.array([[0] * 32 + [1] * 32 + [0] * 64], jnp.int32)
     blocks = dataclasses.replace(_platform.attention_blocks(16), bwd=bwd)
     _check(q, k, v, do, jnp.float32, blocks=blocks, q_segment_ids=seg)
-
-
-def test_fma_exp2_matches_exp2():
-    x = jnp.concatenate([jnp.linspace(-125, 0, 400_001, dtype=jnp.float32), jnp.array([-0.5, -1.5, -0.0])])
-    got, want = np.asarray(fma_exp2.exp2_fma(x), np.float64), np.exp2(np.asarray(x, np.float64))
-    assert np.max(np.abs(got / want - 1)) <= 7.6e-5
-    tiny = np.asarray(fma_exp2.exp2_fma(jnp.array([-125.4, -126.0, -300.0, -1e30], jnp.float32)))
-    assert np.all((tiny > 0) & (tiny < 2.0 ** -124)), tiny  # underflow: about 2^-125, never garbage
-
-
-# Exponentials on the FMA pipes for half or all of each unmasked key tile, in every kernel: bf16 through the
-# polynomial, fp32 through the same split tiles with the exact exp2. Packed documents and a ragged length put
-# masked and unmasked tiles (and both halves of a split one) on the same rows.
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("fraction,bwd", [(0.5, "split"), (1, "split"), (1, "tiles"), (1, "atomic")])
-def test_fma_exponentials(dtype, fraction, bwd):
-    q, k, v, do = _qkv(17, 2, 150, 150, 8, 2, 32, dtype)
-    seg = jnp.array([[0] * 100 + [1] * 50, [0] * 30 + [1] * 120], jnp.int32)
-    blocks = dataclasses.replace(_platform.attention_blocks(32), fwd_k=32, dq_k=32, dkv_k=32, bwd=bwd,
-                                 fwd_fma_exp=fraction, dq_fma_exp=fraction, dkv_fma_exp=fraction)
-    _check(q, k, v, do, dtype, blocks=blocks)
-    _check(q, k, v, do, dtype, blocks=blocks, q_segment_ids=seg)
-
-
-def test_fma_exponential_fractions_are_checked():
-    with pytest.raises(ValueError, match="fwd_fma_exp=0.25"):
-        _platform.AttentionBlocks(fwd_fma_exp=0.25)
-    with pytest.raises(ValueError, match="split backward"):
-        _platform.AttentionBlocks(dkv_fma_exp=0.5, bwd="tiles")
 
 
 def test_tiles_backward_takes_the_split_path_past_its_memory_cap(monkeypatch):
@@ -308,16 +278,6 @@ def test_fwd_bwd_lower_for_cuda_inside_shard_map(monkeypatch, bwd, kernels, chun
     for name in kernels:
         assert f'name = "{name}"' in text, name
     assert text.count("stablehlo.all_reduce") == summed
-
-
-def test_fma_exponential_kernels_lower_for_cuda(monkeypatch):
-    monkeypatch.setattr(_platform, "interpret", lambda: False)
-    blocks = dataclasses.replace(_platform.attention_blocks(16, 64), bwd="split", fwd_k=32, dq_k=32, dkv_k=32,
-                                 fwd_fma_exp=0.5, dq_fma_exp=0.5, dkv_fma_exp=0.5)
-    args = _sharded_inputs(18, 2, 8 * 64, 4, 2, 16, jnp.bfloat16)
-    fn = _sharded_grads(functools.partial(pk.attention_with_lse, blocks=blocks), "q")
-    text = _vma.lower_in_shard_map_for_cuda(fn, args, **SHARD_SPECS["q"])
-    assert text.count("__gpu$xla.gpu.triton") == 3
 
 
 # ------------------------------------------------------------------------------------------- compiled (GPU)
