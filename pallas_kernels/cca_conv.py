@@ -41,18 +41,18 @@ _NT = (((1,), (1,)), ((), ()))  # a @ bᵀ
 _NN = (((1,), (0,)), ((), ()))  # a @ b
 _TN = (((0,), (0,)), ((), ()))  # aᵀ @ b
 
-# (time rows, forward warps, backward (A) warps) of a head's tile: one warp group holds the forward's [rows, d] matmul
-# tiles, two the backward's [d, d] fp32 weight-gradient sum; (time rows, warps) of the input-gradient backward (B),
+# (time rows, forward warps, backward (A) warps, backward (A) pipeline stages) of a head's tile: one warp group holds
+# the forward's [rows, d] matmul tiles, two the backward's [d, d] fp32 weight-gradient sum; (time rows, warps) of the input-gradient backward (B),
 # a bandwidth-bound pass over a head's channels with a few small matmuls
-_HEAD_TILES = {"cuda": (64, 4, 8), "rocm": (64, 2, 4), "cpu": (16, 4, 4)}
+_HEAD_TILES = {"cuda": (64, 4, 8, 1), "rocm": (64, 2, 4, 1), "cpu": (16, 4, 4, 1)}
 _DW_TILES = {"cuda": (64, 8), "rocm": (64, 4), "cpu": (16, 4)}
 _PROGRAMS_PER_CU = 2  # backward (A): enough (batch, head, chunk, tap) programs to fill the GPU about twice
 
 
 @contextlib.contextmanager
-def tiles_override(head: tuple[int, int, int], depthwise: tuple[int, int]):
-    """Kernels traced inside use these (rows, forward warps, backward (A) warps) and (rows, warps) on this backend
-    (the kernel benchmark times candidates end to end)."""
+def tiles_override(head: tuple[int, int, int, int], depthwise: tuple[int, int]):
+    """Kernels traced inside use these (rows, forward warps, backward (A) warps, backward (A) stages) and (rows,
+    warps) on this backend (the kernel benchmark times candidates end to end)."""
     vendor = _platform.vendor()
     saved = _HEAD_TILES[vendor], _DW_TILES[vendor]
     _HEAD_TILES[vendor], _DW_TILES[vendor] = head, depthwise
@@ -67,9 +67,9 @@ def _fit_rows(rows: int, T: int) -> int:
     return min(rows, max(16, _platform.next_pow2(T)))
 
 
-def _head_tiles(T: int) -> tuple[int, int, int]:
-    rows, fwd_warps, bwd_warps = _HEAD_TILES[_platform.vendor()]
-    return _fit_rows(rows, T), fwd_warps, bwd_warps
+def _head_tiles(T: int) -> tuple[int, int, int, int]:
+    rows, fwd_warps, bwd_warps, bwd_stages = _HEAD_TILES[_platform.vendor()]
+    return _fit_rows(rows, T), fwd_warps, bwd_warps, bwd_stages
 
 
 def _row_index(first, rows: int, n: int):
@@ -174,7 +174,7 @@ def _forward(xp, w1, b1, w2, b2, masks, *, heads: int):
     t0 = w1.shape[1]
     P = halo(t0, t1)
     T = Tp - P
-    rows, warps, _ = _head_tiles(T)
+    rows, warps, _, _ = _head_tiles(T)
     x, w1t, b1f, w2t, b2f, m = _vma.vary_to_union(xp, _tap_weights(w1), b1.astype(F32), _per_tap(w2),
                                                    b2.astype(F32), masks)
     own, kv_head, group_heads = _head_specs(Tp, d, heads, G - heads, head_axis=2)
@@ -243,7 +243,7 @@ def _backward_weights(xp, w1, b1, w2, masks, dout):
     t0 = w1.shape[1]
     P = halo(t0, t1)
     T = Tp - P
-    rows, _, warps = _head_tiles(T)
+    rows, _, warps, stages = _head_tiles(T)
     n_tiles = pl.cdiv(T, rows)
     chunks = max(1, min(n_tiles, math.ceil(_PROGRAMS_PER_CU * _platform.compute_units() / (B * G * t1))))
     x, do, w1t, b1f, m = _vma.vary_to_union(xp, dout, _tap_weights(w1), b1.astype(F32), masks)
@@ -264,7 +264,7 @@ def _backward_weights(xp, w1, b1, w2, masks, dout):
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=_platform.compiler_params(warps, 1),
+        compiler_params=_platform.compiler_params(warps, stages),
         interpret=_platform.interpret(), name="cca_qk_mix_bwd_weights",
     )(*args)
     return jnp.moveaxis(dw2.sum(axis=(0, 1)), 0, -1), db2.sum(axis=(0, 1))

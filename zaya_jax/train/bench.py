@@ -33,9 +33,9 @@ vs HF + torch.compile 100.7 ms = 81.4k; AdamW on both sides 1.12x HF; 64 microba
 gradients per pass) 107.8k against HF's measured 64-microbatch step 90.0k (1.20x), the update alone 2.6% of that step.
 The q/k mixing kernels against XLA's, in one call (benchmarks/train_h200_qk_mix_ab.json): fwd_bwd 77.2 against
 78.9 ms, 16 microbatches 1324.9 against 1363.3 ms. Head chunks of 8192 tokens (what configs/zaya1_base.py trains
-with; the default since): fwd_bwd 76.1 against 79.6 ms with 4096, the 64-microbatch step 0.8% faster, in one call
-(benchmarks/train_h200_ce_chunk_ab.json); but the 16-microbatch step with XLA's q/k mixing measured 1363-1366 ms in
-two calls with 8192 against 1311-1327 ms in two earlier calls with 4096 (different calls: not an A/B).
+with; the default since), each against 4096 in one call: fwd_bwd 76.1 against 79.6 ms and the 64-microbatch step 0.8%
+faster (benchmarks/train_h200_ce_chunk_ab.json); 16 microbatches 1311.3 against 1338.6 ms
+(benchmarks/train_h200_chunk_ab.json).
 """
 
 from __future__ import annotations
