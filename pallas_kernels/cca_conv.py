@@ -9,15 +9,19 @@ rounds them), multiplies each by the head's d x d grouped-conv tap on the tensor
 mean residual (a query head: (q + k) / 2 with its KV head's k; a KV head: the mean of that over its query heads, whose
 projections it reads too) and writes the head's output once.
 
-Backward, two kernels. (A) the grouped convolution's weights, per (batch, head, chunk of row tiles, tap): d w2_j (the
-tap recomputed from xp) and d b2 summed over the chunk's rows in registers. (B) everything else, per (batch, tile of
-xp rows u, head): d y_j = dout . w2_j at u - P + s for every offset s is recomputed on the tensor cores from the
-head's d out (never stored), giving in one pass d xp (with the residual paths' gradient of row u, from the head's and
-its partner heads' d out) and the tile's partial sums of d w1 and d b1. All partial sums are added afterwards in fp32.
+Backward, two kernels. (A) the grouped convolution, per (batch, head, chunk of row tiles, tap): d y_j = dout . w2_j is
+written, d w2_j (the tap recomputed from xp) and d b2 are summed over the chunk's rows in registers. (B) the depthwise
+convolution and the residual paths, per (batch, tile of xp rows u, head): reads d y_j at u - P + s for every offset s,
+so one pass gives d xp (with the residual paths' gradient of row u, from the head's and its partner heads' d out) and
+the tile's partial sums of d w1 and d b1. All partial sums are added afterwards in fp32.
 
 Shifted reads are row gathers clamped into the array and zeroed outside it (nothing is padded or copied); the last
 tile's stores are masked. Inside shard_map (check_vma) the kernels run on inputs made varying over all their axes, and
 the weight gradients are summed back to their primals' types (`_vma`).
+
+Measured and dropped: kernel B recomputing d y_j = d out . w2_j for its rows (five small matmuls and the head's
+w2 taps per tile) instead of kernel A storing it: fwd+bwd 0.321 against 0.272 ms on the H200 at B=2, T=4096
+(benchmarks/cca_qk_mix_recompute_dy_h200.json).
 """
 
 from __future__ import annotations
@@ -42,8 +46,8 @@ _NN = (((1,), (0,)), ((), ()))  # a @ b
 _TN = (((0,), (0,)), ((), ()))  # aᵀ @ b
 
 # (time rows, forward warps, backward (A) warps, backward (A) pipeline stages) of a head's tile: one warp group holds
-# the forward's [rows, d] matmul tiles, two the backward's [d, d] fp32 weight-gradient sum; (time rows, warps) of the input-gradient backward (B),
-# a bandwidth-bound pass over a head's channels with a few small matmuls
+# the forward's [rows, d] matmul tiles, two the backward's [d, d] fp32 weight-gradient sum; (time rows, warps) of the
+# depthwise backward (B), a bandwidth-bound elementwise pass over a head's channels
 _HEAD_TILES = {"cuda": (64, 4, 8, 1), "rocm": (64, 2, 4, 1), "cpu": (16, 4, 4, 1)}
 _DW_TILES = {"cuda": (64, 8), "rocm": (64, 4), "cpu": (16, 4)}
 _PROGRAMS_PER_CU = 2  # backward (A): enough (batch, head, chunk, tap) programs to fill the GPU about twice
@@ -208,14 +212,15 @@ def _per_tap(w2):
     return jnp.moveaxis(w2, -1, 0)
 
 
-# ----------------------------------------------------------------- backward (A): the grouped convolution's weights
-def _bwd_weights_kernel(x_ref, do_ref, w1_ref, b1_ref, *rest, t0, t1, P, T, rows, chunks, has_seg, precision):
+# ------------------------------------------------------------------------------- backward (A): grouped convolution
+def _bwd_grouped_kernel(x_ref, do_ref, w1_ref, b1_ref, w2_ref, *rest, t0, t1, P, T, rows, chunks, has_seg, precision):
     m_ref, rest = (rest[0], rest[1:]) if has_seg else (None, rest)
-    dw2_ref, db2_ref = rest
-    dt = x_ref.dtype
+    dy_ref, dw2_ref, db2_ref = rest
+    dt = dy_ref.dtype
     c, tap = pl.program_id(2), pl.program_id(3)
     count = lax.div(pl.cdiv(T, rows) - c + chunks - 1, chunks)  # this chunk's row tiles c, c + chunks, ...
     d = do_ref.shape[-1]
+    w2 = w2_ref[...]  # this head's tap, read once
 
     def run(j: int):
         def step(n, carry):
@@ -224,6 +229,8 @@ def _bwd_weights_kernel(x_ref, do_ref, w1_ref, b1_ref, *rest, t0, t1, P, T, rows
             views = _shifted_views(x_ref, m_ref, start, rows, P=P, T=T,
                                    offsets=[tap_offset(j, i, t0, t1) for i in range(t0)])
             y = _tap(views, w1_ref, b1_ref, j, t0=t0, t1=t1, dtype=dt).astype(dt)
+            _store_rows(dy_ref, start, lax.dot_general(dout, w2, _NN, precision=precision,
+                                                       preferred_element_type=F32), T)
             dw = carry[0] + lax.dot_general(dout, y, _TN, precision=precision, preferred_element_type=F32)
             return dw, (carry[1] + jnp.sum(dout.astype(F32), axis=0)) if j == 0 else carry[1]
 
@@ -236,8 +243,8 @@ def _bwd_weights_kernel(x_ref, do_ref, w1_ref, b1_ref, *rest, t0, t1, P, T, rows
         pl.when(tap == j)(functools.partial(run, j))
 
 
-def _backward_weights(xp, w1, b1, w2, masks, dout):
-    """-> (d w2 [G, d, d, t1] fp32, d b2 [C] fp32)."""
+def _backward_grouped(xp, w1, b1, w2, masks, dout):
+    """-> (d y [t1, B, T, C] in xp.dtype, d w2 [G, d, d, t1] fp32, d b2 [C] fp32)."""
     B, Tp, C = xp.shape
     G, d, _, t1 = w2.shape
     t0 = w1.shape[1]
@@ -246,33 +253,38 @@ def _backward_weights(xp, w1, b1, w2, masks, dout):
     rows, _, warps, stages = _head_tiles(T)
     n_tiles = pl.cdiv(T, rows)
     chunks = max(1, min(n_tiles, math.ceil(_PROGRAMS_PER_CU * _platform.compute_units() / (B * G * t1))))
-    x, do, w1t, b1f, m = _vma.vary_to_union(xp, dout, _tap_weights(w1), b1.astype(F32), masks)
+    x, do, w1t, b1f, w2t, m = _vma.vary_to_union(xp, dout, _tap_weights(w1), b1.astype(F32), _per_tap(w2), masks)
     in_specs = [_head_spec(Tp, d, head_axis=1), _head_spec(T, d, head_axis=1),
                 pl.BlockSpec((w1t.shape[0], d), lambda n, g, c, j: (0, g)),
-                pl.BlockSpec((d,), lambda n, g, c, j: (g,))]
-    args = [x, do, w1t, b1f]
+                pl.BlockSpec((d,), lambda n, g, c, j: (g,)),
+                pl.BlockSpec((None, None, d, d), lambda n, g, c, j: (j, g, 0, 0))]
+    args = [x, do, w1t, b1f, w2t]
     if m is not None:
         in_specs.append(pl.BlockSpec((m.shape[0], None, T), lambda n, g, c, j: (0, n, 0)))
         args.append(m)
-    out_specs = [pl.BlockSpec((None, None, None, None, d, d), lambda n, g, c, j: (n, c, j, g, 0, 0)),
+    out_specs = [pl.BlockSpec((None, None, T, d), lambda n, g, c, j: (j, n, 0, g)),
+                 pl.BlockSpec((None, None, None, None, d, d), lambda n, g, c, j: (n, c, j, g, 0, 0)),
                  pl.BlockSpec((None, None, d), lambda n, g, c, j: (n, c, g))]
-    out_shape = [_vma.out_struct((B, chunks, t1, G, d, d), F32, x), _vma.out_struct((B, chunks, C), F32, x)]
-    dw2, db2 = pl.pallas_call(
-        functools.partial(_bwd_weights_kernel, t0=t0, t1=t1, P=P, T=T, rows=rows, chunks=chunks,
+    out_shape = [_vma.out_struct((t1, B, T, C), xp.dtype, x), _vma.out_struct((B, chunks, t1, G, d, d), F32, x),
+                 _vma.out_struct((B, chunks, C), F32, x)]
+    dy, dw2, db2 = pl.pallas_call(
+        functools.partial(_bwd_grouped_kernel, t0=t0, t1=t1, P=P, T=T, rows=rows, chunks=chunks,
                           has_seg=m is not None, precision=_platform.dot_precision(xp.dtype)),
         grid=(B, G, chunks, t1),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
+        # one stage by default: two with the residual paths' loads in this loop (since moved to kernel B) asked for
+        # 454 KiB of the H200's 227 KiB of shared memory
         compiler_params=_platform.compiler_params(warps, stages),
-        interpret=_platform.interpret(), name="cca_qk_mix_bwd_weights",
+        interpret=_platform.interpret(), name="cca_qk_mix_bwd_grouped",
     )(*args)
-    return jnp.moveaxis(dw2.sum(axis=(0, 1)), 0, -1), db2.sum(axis=(0, 1))
+    return dy, jnp.moveaxis(dw2.sum(axis=(0, 1)), 0, -1), db2.sum(axis=(0, 1))
 
 
-# ------------------------------------------------ backward (B): the convolutions' input gradient and residual paths
-def _bwd_input_kernel(x_ref, w1_ref, w2_ref, do_ref, dokv_ref, *rest, t0, t1, P, T, rows, heads, group, has_seg,
-                      precision):
+# ------------------------------------------------------------------ backward (B): depthwise conv and residual paths
+def _bwd_depthwise_kernel(x_ref, w_ref, *rest, t0, t1, P, T, rows, heads, group, has_seg):
+    dy_refs, (do_ref, dokv_ref), rest = rest[:t1], rest[t1:t1 + 2], rest[t1 + 2:]
     doq_refs, rest = rest[:group], rest[group:]
     m_ref = rest[0] if has_seg else None
     dx_ref, db_ref, *dw_refs = rest[1:] if has_seg else rest
@@ -280,33 +292,20 @@ def _bwd_input_kernel(x_ref, w1_ref, w2_ref, do_ref, dokv_ref, *rest, t0, t1, P,
     g = pl.program_id(2)
     start = pl.program_id(1) * rows  # this program's rows u of d xp
     x = _load_rows(x_ref, start, rows, T + P)
-    douts, dys = {}, {}
-
-    def dout_at(s: int):  # the head's d out at t = u - P + s (zero outside [0, T)), fp32
-        if s not in douts:
-            douts[s] = _load_rows(do_ref, start - P + s, rows, T)
-        return douts[s]
-
-    def dy_at(j: int, s: int):
-        """d y_j at t = u - P + s: the grouped tap's input gradient d out . w2_j, computed here for the tile's rows
-        (recomputing it costs a few small tensor-core products; storing it cost a round trip through memory) and
-        rounded to dt where the reference's d y_j is."""
-        if (j, s) not in dys:
-            dys[j, s] = _round(lax.dot_general(dout_at(s).astype(dt), w2_ref[j], _NN, precision=precision,
-                                               preferred_element_type=F32), dt)
-        return dys[j, s]
-
     dx = jnp.zeros(x.shape, F32)
     dw = [jnp.zeros(x.shape[1:], F32) for _ in range(t0)]
     for j in range(t1):
         for i in range(t0):
             s = tap_offset(j, i, t0, t1)
-            gj = dy_at(j, s)
+            gj = _load_rows(dy_refs[j], start - P + s, rows, T)  # dy_j at t = u - P + s
             if has_seg and s:
                 gj = gj * _load_mask(m_ref, s, start - P + s, rows, T)
-            dx = dx + gj * w1_ref[i, :].astype(F32)[None, :]
+            dx = dx + gj * w_ref[i, :].astype(F32)[None, :]
             dw[i] = dw[i] + jnp.sum(x * gj, axis=0)
-    db_ref[...] = sum(jnp.sum(dy_at(j, P), axis=0) for j in range(t1))  # every output t once: rows t = u
+    db = jnp.zeros(x.shape[1:], F32)
+    for j in range(t1):  # every output t once: rows t = u of each tap gradient
+        db = db + jnp.sum(_load_rows(dy_refs[j], start, rows, T), axis=0)
+    db_ref[...] = db
     for i in range(t0):
         dw_refs[i][...] = dw[i]
     dx = _round(dx, dt)
@@ -314,48 +313,49 @@ def _bwd_input_kernel(x_ref, w1_ref, w2_ref, do_ref, dokv_ref, *rest, t0, t1, P,
     # The mean residual paths (rows u = P + t are the projections), rounded as the reference rounds them: a query
     # head gets d q_res / 2, d q_res its own output's gradient plus its share of its KV head's mean; a KV head the
     # sum of that over its query heads (the transpose of the repeat). Added to the convolutions' gradient in dt.
-    def d_qres_half(own, dk_share):
-        return _round(_round(own + dk_share, dt) * 0.5, dt)
+    def d_qres_half(dq_ref, dk_share):
+        return _round(_round(_load_rows(dq_ref, start - P, rows, T) + dk_share, dt) * 0.5, dt)
 
     @pl.when(g < heads)
     def _query_head():
         share = _round(_load_rows(dokv_ref, start - P, rows, T) / group, dt)
-        _store_rows(dx_ref, start, dx + d_qres_half(dout_at(0), share), T + P)
+        _store_rows(dx_ref, start, dx + d_qres_half(do_ref, share), T + P)
 
     @pl.when(g >= heads)
     def _kv_head():
-        share = _round(dout_at(0) / group, dt)
-        total = sum(d_qres_half(_load_rows(q_ref, start - P, rows, T), share) for q_ref in doq_refs)
-        _store_rows(dx_ref, start, dx + _round(total, dt), T + P)
+        share = _round(_load_rows(do_ref, start - P, rows, T) / group, dt)
+        _store_rows(dx_ref, start, dx + _round(sum(d_qres_half(q_ref, share) for q_ref in doq_refs), dt), T + P)
 
 
-def _backward_input(xp, w1, w2, masks, dout, *, heads: int):
+def _backward_depthwise(xp, w1, masks, dy, dout, *, heads: int, num_heads: int):
     """-> (d xp [B, T + P, C] in xp.dtype, d w1 [C, t0] fp32, d b1 [C] fp32)."""
     B, Tp, C = xp.shape
-    G, d, _, t1 = w2.shape
-    T, t0 = dout.shape[1], w1.shape[1]
+    T, t0, t1 = dout.shape[1], w1.shape[1], dy.shape[0]
     P = Tp - T
+    G, d = num_heads, C // num_heads
     rows, warps = _DW_TILES[_platform.vendor()]
     rows = _fit_rows(rows, T)
     nU = pl.cdiv(Tp, rows)
-    x, w1t, w2t, m, do = _vma.vary_to_union(xp, _tap_weights(w1), _per_tap(w2), masks, dout)
+    x, w, m, g, do = _vma.vary_to_union(xp, _tap_weights(w1), masks, dy, dout)
     own, kv_head, group_heads = _head_specs(T, d, heads, G - heads, head_axis=2)
-    in_specs = [_head_spec(Tp, d, head_axis=2), pl.BlockSpec((w1t.shape[0], d), lambda n, i, h: (0, h)),
-                pl.BlockSpec((t1, None, d, d), lambda n, i, h: (0, h, 0, 0)), own, kv_head, *group_heads]
-    args = [x, w1t, w2t, do, do, *[do] * len(group_heads)]
+    in_specs = ([_head_spec(Tp, d, head_axis=2),
+                 pl.BlockSpec((w.shape[0], d), lambda n, i, h: (0, h))]
+                + [pl.BlockSpec((None, None, T, d), lambda n, i, h, j=j: (j, n, 0, h)) for j in range(t1)]
+                + [own, kv_head, *group_heads])
+    args = [x, w, *[g] * t1, do, do, *[do] * len(group_heads)]
     if m is not None:
         in_specs.append(pl.BlockSpec((m.shape[0], None, T), lambda n, i, h: (0, n, 0)))
         args.append(m)
     part = pl.BlockSpec((None, None, d), lambda n, i, h: (n, i, h))
     outs = pl.pallas_call(
-        functools.partial(_bwd_input_kernel, t0=t0, t1=t1, P=P, T=T, rows=rows, heads=heads,
-                          group=len(group_heads), has_seg=m is not None, precision=_platform.dot_precision(xp.dtype)),
+        functools.partial(_bwd_depthwise_kernel, t0=t0, t1=t1, P=P, T=T, rows=rows, heads=heads,
+                          group=len(group_heads), has_seg=m is not None),
         grid=(B, nU, G),
         in_specs=in_specs,
         out_specs=[_head_spec(Tp, d, head_axis=2)] + [part] * (1 + t0),
         out_shape=[_vma.out_struct((B, Tp, C), xp.dtype, x)] + [_vma.out_struct((B, nU, C), F32, x)] * (1 + t0),
         compiler_params=_platform.compiler_params(warps, 1),
-        interpret=_platform.interpret(), name="cca_qk_mix_bwd_input",
+        interpret=_platform.interpret(), name="cca_qk_mix_bwd_depthwise",
     )(*args)
     return outs[0], jnp.stack([p.sum(axis=(0, 1)) for p in outs[2:]], axis=1), outs[1].sum(axis=(0, 1))
 
@@ -372,8 +372,8 @@ def _mix_fwd(xp, w1, b1, w2, b2, masks, heads):
 
 def _mix_bwd(heads, res, dout):
     xp, w1, b1, w2, b2, masks = res
-    dw2, db2 = _backward_weights(xp, w1, b1, w2, masks, dout)
-    dx, dw1, db1 = _backward_input(xp, w1, w2, masks, dout, heads=heads)
+    dy, dw2, db2 = _backward_grouped(xp, w1, b1, w2, masks, dout)
+    dx, dw1, db1 = _backward_depthwise(xp, w1, masks, dy, dout, heads=heads, num_heads=w2.shape[0])
     return (_vma.sum_to_type_of(dx, xp), _vma.sum_to_type_of(dw1.astype(w1.dtype), w1),
             _vma.sum_to_type_of(db1.astype(b1.dtype), b1), _vma.sum_to_type_of(dw2.astype(w2.dtype), w2),
             _vma.sum_to_type_of(db2.astype(b2.dtype), b2), None if masks is None else jnp.zeros_like(masks))

@@ -82,7 +82,7 @@ def test_kernels_lower_inside_shard_map_for_cuda(monkeypatch):
     text = _vma.lower_in_shard_map_for_cuda(mix_and_grads, (xp, w1, b1, w2, b2, ct),
                                             in_specs=(rows, P(), P(), P(), P(), rows),
                                             out_specs=((rows, P(), P(), P(), P()), rows))
-    for name in ("cca_qk_mix_fwd", "cca_qk_mix_bwd_weights", "cca_qk_mix_bwd_input"):
+    for name in ("cca_qk_mix_fwd", "cca_qk_mix_bwd_grouped", "cca_qk_mix_bwd_depthwise"):
         assert f'name = "{name}"' in text
     assert "all_reduce" in text or "all-reduce" in text  # the replicated weights' gradients
 
