@@ -124,7 +124,8 @@ _ATTENTION = {
     # 5.20 / 5.80 ms for half / all against 4.73 at T=32768, dq 6.60 against 5.56 with all, split dk/dv tiles 2.8x
     # slower (benchmarks/attention_fma_exp_h200.json). The ~8 added FMA-pipe ops per logit cost what they would if
     # run alone, so the kernels are bound by issued instructions next to the matmuls, not by the exp unit; the
-    # option was removed. Flushing denormals (XLA_FLAGS=--xla_gpu_ftz=true) left the times within noise.
+    # option was removed. Flushing denormals (XLA_FLAGS=--xla_gpu_ftz=true) left the times within noise (fwd+bwd 18.55
+    # against 18.78 ms, benchmarks/attention_ftz_h200.json).
     "cuda": AttentionBlocks(fwd_q=128, fwd_k=128, fwd_warps=8, fwd_stages=3, dq_stages=4, dkv_q=32, dkv_heads=2,
                             bwd="tiles", tiles_dq_stages=2),
     # MI300X: 64-lane wavefronts (4 waves = 256 lanes), AMD's Triton pipeliner wants num_stages 1-2.
