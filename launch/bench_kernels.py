@@ -30,7 +30,7 @@ DKV_CFGS = [dict(dkv_q=32, dkv_k=128, dkv_warps=8, dkv_stages=3, dkv_split=0),
             dict(dkv_q=32, dkv_k=128, dkv_warps=8, dkv_stages=2, dkv_split=0)]
 NORM_FWD = [NormLaunch(1, 8, 4), NormLaunch(1, 16, 2), NormLaunch(2, 16, 2), NormLaunch(1, 8, 8)]
 NORM_BWD = [NormLaunch(1, 16, 1), NormLaunch(1, 16, 2), NormLaunch(1, 8, 4)]
-# CCA q/k mixing tiles: (head rows, forward warps, backward (A) warps), (depthwise backward rows, warps)
+# CCA q/k mixing tiles: (head rows, forward warps, backward (A) warps and stages), (depthwise backward rows, warps)
 CONV_TILES = [((64, 4, 8, 2), (64, 8)), ((64, 4, 4, 2), (64, 8)), ((64, 4, 8, 3), (64, 8)), ((64, 4, 8, 1), (128, 8)),
               ((128, 4, 8, 2), (64, 8))]
 PARTS = ("norms", "attention", "cca_conv")

@@ -166,7 +166,7 @@ def bench_cca_conv(shapes, copy_tbps: float, t0: int = 2, t1: int = 2, sweep=())
                 entry[f"{impl}_{phase}_vs_copy"] = nbytes[phase] / t / 1e12 / copy_tbps
         for phase in ("fwd", "fwdbwd"):
             entry[f"{phase}_speedup_vs_xla"] = entry[f"xla_{phase}_ms"] / entry[f"pallas_{phase}_ms"]
-        if sweep:  # other tiles of the three kernels, end to end: (head rows, fwd warps, bwd warps, bwd stages), (rows, warps)
+        if sweep:  # other tiles of the three kernels, end to end (cca_conv.tiles_override's two tuples)
             entry["sweep"] = []
             for head, depthwise in sweep:
                 with cca_conv_kernels.tiles_override(head, depthwise):

@@ -274,8 +274,7 @@ def _backward_grouped(xp, w1, b1, w2, masks, dout):
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        # one stage by default: two with the residual paths' loads in this loop (since moved to kernel B) asked for
-        # 454 KiB of the H200's 227 KiB of shared memory
+        # one stage by default: 1-3 measured within 4% of the op on the H200 (benchmarks/cca_qk_mix_stages_h200.json)
         compiler_params=_platform.compiler_params(warps, stages),
         interpret=_platform.interpret(), name="cca_qk_mix_bwd_grouped",
     )(*args)
