@@ -36,7 +36,7 @@ from pallas_kernels.grouped_matmul import default_tiling
 
 RAGGED_FUSION_FLAG = "--xla_gpu_experimental_use_ragged_dot_fusion=true"
 
-# H200 candidates around the default (block_rows 128, 128 x 64 tiles, 8 warps, 3 stages). Shared memory per stage
+# H200 candidates around the defaults (block_rows 128; see GroupedTiling). Shared memory per stage
 # is (rows + cols) * k * 2 bytes: the largest here (256 x 64 x 4 stages, 128 x 128 x 3) stay under 227 KB.
 FWD_CFGS = [dict(),
             dict(fwd_warps=4, fwd_stages=4),
@@ -48,12 +48,18 @@ FWD_CFGS = [dict(),
 DGRAD_CFGS = [dict(),
               dict(dgrad_warps=4, dgrad_stages=4),
               dict(dgrad_n=256, dgrad_k=64, dgrad_warps=8, dgrad_stages=3),
-              dict(dgrad_n=128, dgrad_k=128, dgrad_warps=8, dgrad_stages=3)]
+              dict(dgrad_n=128, dgrad_k=128, dgrad_warps=8, dgrad_stages=3),
+              dict(dgrad_warps=4, dgrad_stages=3),
+              dict(dgrad_n=256, dgrad_k=64, dgrad_warps=8, dgrad_stages=4)]
 WGRAD_CFGS = [dict(),
               dict(wgrad_rows=32, wgrad_stages=4),
               dict(wgrad_n=128, wgrad_k=256, wgrad_rows=64, wgrad_warps=8, wgrad_stages=3),
               dict(wgrad_n=256, wgrad_k=128, wgrad_rows=64, wgrad_warps=8, wgrad_stages=3),
-              dict(wgrad_warps=4, wgrad_stages=3)]
+              dict(wgrad_warps=4, wgrad_stages=3),
+              # one contraction step per 128-row tile: half the loop steps of the default on ~4-tile experts
+              dict(wgrad_rows=128, wgrad_stages=2),
+              dict(wgrad_rows=128, wgrad_stages=3),
+              dict(wgrad_rows=128, wgrad_k=64, wgrad_stages=3)]
 # --quick / the CPU (interpret mode): two small launches per kernel exercise the same code path
 QUICK_FWD = [dict(), dict(fwd_n=32)]
 QUICK_DGRAD = [dict(), dict(dgrad_k=32)]

@@ -37,16 +37,19 @@ class GroupedTiling:
 
     block_rows: int = 128
     group_rows: int = 8
-    fwd_n: int = 256  # H200 sweep (benchmarks/moe_h200.json): gate_up forward 516 TFLOP/s vs 460 at 128
+    # H200 sweeps (benchmarks/moe_h200.json, moe_sweep_h200.json): forward 256-column tiles 516 TFLOP/s on gate_up
+    # against 460 at 128; then 4 stages for the forward and a 256 x 64 dgrad tile with 4 (gate_up 0.255 against
+    # 0.292 ms), a 128 x 256 wgrad tile (0.300 against 0.316 ms); 128-row wgrad steps measured 15-55% slower.
+    fwd_n: int = 256
     fwd_k: int = 64
     fwd_warps: int = 8
-    fwd_stages: int = 3
-    dgrad_n: int = 128
+    fwd_stages: int = 4
+    dgrad_n: int = 256
     dgrad_k: int = 64
     dgrad_warps: int = 8
-    dgrad_stages: int = 3
+    dgrad_stages: int = 4
     wgrad_n: int = 128
-    wgrad_k: int = 128
+    wgrad_k: int = 256
     wgrad_rows: int = 64
     wgrad_warps: int = 8
     wgrad_stages: int = 3
