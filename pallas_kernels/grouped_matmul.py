@@ -16,6 +16,7 @@ widths need no padding. fp32 accumulation throughout; outputs (dx, dw too) are i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -63,7 +64,31 @@ class GroupedTiling:
             dgrad_k=fit(self.dgrad_k, n_out), wgrad_n=fit(self.wgrad_n, n_out), wgrad_k=fit(self.wgrad_k, n_in))
 
 
+_OVERRIDE: dict = {}  # fields replaced in default_tiling's result (tiling_override)
+
+
+@contextlib.contextmanager
+def tiling_override(**fields):
+    """Kernels traced inside use the default tiling with these fields replaced (benchmarks A/B tilings in one
+    process; tracing is where the tiling is read)."""
+    unknown = set(fields) - {f.name for f in dataclasses.fields(GroupedTiling)}
+    if unknown:
+        raise ValueError(f"tiling_override: {sorted(unknown)} are not GroupedTiling fields")
+    saved = dict(_OVERRIDE)
+    _OVERRIDE.clear()
+    _OVERRIDE.update(fields)
+    try:
+        yield
+    finally:
+        _OVERRIDE.clear()
+        _OVERRIDE.update(saved)
+
+
 def default_tiling(dtype) -> GroupedTiling:
+    return dataclasses.replace(_default_tiling(dtype), **_OVERRIDE)
+
+
+def _default_tiling(dtype) -> GroupedTiling:
     vendor = _platform.vendor()
     if vendor == "cpu":  # interpret mode: small tiles keep the interpreter quick and exercise several tiles
         return GroupedTiling(block_rows=16, group_rows=2, fwd_n=16, fwd_k=16, fwd_warps=4, fwd_stages=1,

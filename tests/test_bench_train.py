@@ -67,6 +67,25 @@ def test_the_ce_chunk_option_leaves_the_other_side_of_an_ab_alone():
     assert with_ce_chunk(by_name["full_ce"], 2048).ce_chunk is None
 
 
+def test_moe_tiling_variants_replace_real_fields_and_only_while_tracing(monkeypatch):
+    """The *_moe_prev_tiles A/B variants name GroupedTiling fields; the override holds inside the context only and
+    gives the H200 another tiling than the default."""
+    from pallas_kernels import _platform
+    from pallas_kernels import grouped_matmul as gk
+    monkeypatch.setattr(_platform, "vendor", lambda: "cuda")
+    by_name = {v.name: v for v in extra_variants(2, 4096, True)}
+    prev = dict(by_name["accum16_moe_prev_tiles"].moe_tiling)
+    assert prev and dict(by_name["fwd_bwd_moe_prev_tiles"].moe_tiling) == prev
+    default = gk.default_tiling(jax.numpy.bfloat16)
+    with gk.tiling_override(**prev):
+        inside = gk.default_tiling(jax.numpy.bfloat16)
+    assert inside != default and all(getattr(inside, k) == v for k, v in prev.items())
+    assert gk.default_tiling(jax.numpy.bfloat16) == default
+    with pytest.raises(ValueError, match="not GroupedTiling fields"):
+        with gk.tiling_override(fwd_tiles=2):
+            pass
+
+
 class FakeCompiled:
     def __init__(self, gib):
         self.gib = gib

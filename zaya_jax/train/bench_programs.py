@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from pallas_kernels import grouped_matmul as grouped_kernels
 from zaya_jax.config import preset
 from zaya_jax.model import ZayaForCausalLM
 from zaya_jax.model.base import BalancingBias
@@ -96,8 +97,9 @@ def lower(v: Variant, preset_name: str, dtype: str, state_shapes_for) -> dict:
     tx = make_tx(v)
     fn = build_fn(v, cfg, tx)
     state = state_shapes_for(v, cfg, tx)
-    if v.kind == "opt":
-        lowered = fn.lower(state["params"], state["opt_state"], state["params"])
-    else:
-        lowered = fn.lower(state, jax.eval_shape(lambda: variant_batch(cfg, v)))
+    with grouped_kernels.tiling_override(**dict(v.moe_tiling)):
+        if v.kind == "opt":
+            lowered = fn.lower(state["params"], state["opt_state"], state["params"])
+        else:
+            lowered = fn.lower(state, jax.eval_shape(lambda: variant_batch(cfg, v)))
     return {"cfg": cfg, "tx": tx, "lowered": lowered}

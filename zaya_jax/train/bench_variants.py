@@ -31,6 +31,7 @@ class Variant:
     cast_weights_once: bool = True  # kind 'accum': train.cast_weights_once (model/compute_view.py)
     per_layer_view: bool = True  # kind 'accum', unrolled layers: the view sliced per layer once per step
     grads_per_pass: int = 1  # kind 'accum': microbatch gradients added to the fp32 sum in one pass (train option)
+    moe_tiling: tuple[tuple[str, int], ...] = ()  # GroupedTiling fields replaced while tracing (moe_impl 'pallas')
     max_steps: int | None = None  # cap on timed calls (long programs)
     note: str = ""
 
@@ -121,6 +122,10 @@ def default_variants(batch: int, seq: int, gpu: bool, long_seq: int, ladder: lis
     return vs, searches
 
 
+# The grouped-GEMM defaults replaced after benchmarks/moe_sweep_h200.json (an A/B inside the training step)
+PREVIOUS_MOE_TILING = (("fwd_stages", 3), ("dgrad_n", 128), ("dgrad_stages", 3), ("wgrad_k", 128))
+
+
 def extra_variants(batch: int, seq: int, gpu: bool) -> list[Variant]:
     """Exploration, opt-in by name (--variants): measured before, not part of the issue's figures."""
     main = main_variant(batch, seq, gpu)
@@ -156,6 +161,9 @@ def extra_variants(batch: int, seq: int, gpu: bool) -> list[Variant]:
         r(accum16, name="accum16_xla_conv", conv_impl="xla",
           note="accum16 with XLA's CCA q/k mixing (both convolutions, mean residual paths)"),
         r(accum16, name="accum16_ce4096", ce_chunk=4096, note="accum16, CE chunks of 4096 tokens"),
+        *(r(v, name=f"{v.name}_moe_prev_tiles", moe_tiling=PREVIOUS_MOE_TILING,
+            note=f"{v.name} with the grouped-GEMM tiles before benchmarks/moe_sweep_h200.json")
+          for v in (fwd_bwd, accum16)),
     ]
 
 
