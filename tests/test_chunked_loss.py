@@ -56,6 +56,39 @@ def test_fp32_value_and_gradients_match_full_logits(chunk, with_bias):
                                ref, rtol=1e-6)
 
 
+@pytest.mark.parametrize("chunk", [7, 64])  # several chunks, one chunk
+def test_mean_option_is_the_token_mean_with_its_gradients(chunk):
+    hidden, weight, bias, targets, mask = inputs(20 + chunk, with_bias=True)
+
+    def mean_loss(hidden, weight, bias):
+        return chunked_head_cross_entropy(hidden, weight, targets, mask, bias=bias, chunk_tokens=chunk, mean=True)[0]
+
+    ref, ref_g = jax.value_and_grad(full_loss, (0, 1, 2))(hidden, weight, bias, targets, mask)
+    got, got_g = jax.jit(jax.value_and_grad(mean_loss, (0, 1, 2)))(hidden, weight, bias)
+    np.testing.assert_allclose(got, ref, rtol=1e-6)
+    for a, b in zip(got_g, ref_g):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    none = jnp.zeros_like(mask)
+    total, counted = chunked_head_cross_entropy(hidden, weight, targets, none, chunk_tokens=chunk, mean=True)
+    assert float(total) == 0.0 and float(counted) == 0.0
+
+
+def test_one_chunk_head_gradient_leaves_in_the_weight_dtype_rounded_once():
+    """With one chunk the head-weight gradient comes out of its GEMM in the weight's dtype (the bf16 weights of the
+    accumulating step's compute view): the fp32 gradient rounded once to bf16, not a bf16-accumulated sum."""
+    hidden, weight, _, targets, mask = inputs(9, B=2, T=64, D=64, V=300, dtype=jnp.bfloat16)
+
+    def mean_loss(weight):
+        return chunked_head_cross_entropy(hidden, weight, targets, mask, chunk_tokens=128, mean=True)[0]
+
+    exact = jax.jit(jax.grad(mean_loss))(weight.astype(jnp.bfloat16).astype(jnp.float32))
+    got = jax.jit(jax.grad(mean_loss))(weight.astype(jnp.bfloat16))
+    assert exact.dtype == jnp.float32 and got.dtype == jnp.bfloat16
+    exact, got = np.asarray(exact), np.asarray(got, np.float32)
+    assert np.all(np.abs(got - exact) <= 2.0 ** -8 * np.abs(exact) + 1e-12)
+    assert np.abs(got - exact).max() > 0  # really rounded: the comparison is not of two fp32 arrays
+
+
 def test_masked_tokens_get_no_gradient_and_all_masked_is_zero():
     hidden, weight, _, targets, mask = inputs(3)
     mask = mask.at[1].set(0.0)

@@ -104,20 +104,28 @@ def _head_ce_fwd(hidden, weight, bias, targets, mask, chunk_tokens, impl):
     n = hidden.shape[0]
     hs, ts, ms = _head_chunks(hidden, targets, mask, chunk_tokens)
 
-    def body(carry, xs):
-        total, d_w, d_b = carry
-        h, t, m = xs
+    def chunk(h, t, m, d_w_dtype):
         terms, d_logits = softmax_xent(head_logits(h, w, bias), t, m, impl)
         d_h = jnp.einsum("nv,vd->nd", d_logits, w, preferred_element_type=jnp.float32)
-        d_w = d_w + jnp.einsum("nv,nd->vd", d_logits, h, preferred_element_type=jnp.float32)
-        if d_b is not None:
-            d_b = d_b + d_logits.astype(jnp.float32).sum(axis=0)
-        return (total + terms.sum(), d_w, d_b), d_h
+        d_w = jnp.einsum("nv,nd->vd", d_logits, h, preferred_element_type=d_w_dtype)
+        d_b = None if bias is None else d_logits.astype(jnp.float32).sum(axis=0)
+        return terms.sum(), d_w, d_b, d_h
 
-    zero = _zero_like_tokens(ms)
-    d_b0 = None if bias is None else jnp.zeros(bias.shape, jnp.float32) + zero
-    init = (zero, jnp.zeros(weight.shape, jnp.float32) + zero, d_b0)
-    (total, d_w, d_b), d_h = jax.lax.scan(body, init, (hs, ts, ms))
+    if hs.shape[0] == 1:
+        # One chunk: d head straight out of its GEMM in the weight's dtype (fp32 accumulation, one rounding), the
+        # gradient itself when the cotangent is 1 (see chunked_head_cross_entropy's `mean`).
+        total, d_w, d_b, d_h = chunk(hs[0], ts[0], ms[0], weight.dtype)
+    else:
+        # The first chunk starts the fp32 sums: no zero-filled [V, D] buffer written and read back.
+        total, d_w, d_b, d_h0 = chunk(hs[0], ts[0], ms[0], jnp.float32)
+
+        def body(carry, xs):
+            total, d_w, d_b = carry
+            terms, d_w_c, d_b_c, d_h = chunk(*xs, jnp.float32)
+            return (total + terms, d_w + d_w_c, None if d_b is None else d_b + d_b_c), d_h
+
+        (total, d_w, d_b), d_hs = jax.lax.scan(body, (total, d_w, d_b), (hs[1:], ts[1:], ms[1:]))
+        d_h = jnp.concatenate([d_h0[None], d_hs])
     d_h = d_h.reshape(-1, hidden.shape[-1])[:n]
     like = lambda x: None if x is None else jnp.zeros((0,), x.dtype)  # dtype carriers (residuals must be arrays)
     return total, (d_h, d_w, d_b, like(hidden), like(weight), like(bias), targets, mask)
@@ -134,7 +142,7 @@ _head_ce.defvjp(_head_ce_fwd, _head_ce_bwd)
 
 
 def chunked_head_cross_entropy(hidden, weight, targets, mask, *, bias=None, chunk_tokens: int = 4096,
-                               impl: str = "xla"):
+                               impl: str = "xla", mean: bool = False):
     """Sum over tokens of the masked next-token CE of `hidden @ weight^T (+ bias)`, and the counted-token total.
 
     hidden [..., D] (compute dtype; the head GEMMs run in it with fp32 accumulation), weight [V, D] (any float dtype,
@@ -143,9 +151,17 @@ def chunked_head_cross_entropy(hidden, weight, targets, mask, *, bias=None, chun
     `token_cross_entropy_terms(head_logits(hidden, weight, bias), targets, mask)` summed (the logits of
     `ZayaForCausalLM.logits`); peak extra memory is about one chunk of logits and their gradient (chunk_tokens x V)
     instead of all of them. impl: how each chunk's loss and logit gradient are formed (zaya_jax/ops/cross_entropy.py:
-    'xla' or the 'pallas' kernel)."""
+    'xla' or the 'pallas' kernel).
+
+    mean: the first value is the mean over counted tokens (0 when none count), with each token's weight divided by
+    the count up front (as Hugging Face's loss scales its fp32 logit gradient). Differentiated alone, its cotangent
+    is then 1 and the backward's scaling of the [V, D] head gradient is a no-op XLA removes: with one chunk that
+    gradient leaves its GEMM final, in the weight's dtype. (With one chunk and a weight narrower than fp32, a
+    cotangent other than 1 rounds that gradient a second time.)"""
     d = hidden.shape[-1]
     flat_mask = mask.reshape(-1).astype(jnp.float32)
-    total = _head_ce(hidden.reshape(-1, d), weight, bias, targets.reshape(-1).astype(jnp.int32), flat_mask,
+    counted = flat_mask.sum()
+    weights = flat_mask / jnp.maximum(counted, 1.0) if mean else flat_mask
+    total = _head_ce(hidden.reshape(-1, d), weight, bias, targets.reshape(-1).astype(jnp.int32), weights,
                      int(chunk_tokens), impl)
-    return total, flat_mask.sum()
+    return total, counted

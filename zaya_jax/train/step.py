@@ -56,27 +56,29 @@ def loss_mask(batch: dict, reset_at_documents: bool):
     return mask * (batch["source_ids"][:, None] >= 0)
 
 
-def loss_sums(model, batch, reset_at_documents: bool, ce_chunk_tokens: int | None = None):
-    """(sum of token losses, counted tokens, expert counts) of a batch. ce_chunk_tokens: run the vocabulary head and
-    the cross-entropy in chunks of this many tokens, gradients formed per chunk (model/loss.py:
-    chunked_head_cross_entropy; never holds the [B, T, V] fp32 logits)."""
+def loss_sums(model, batch, reset_at_documents: bool, ce_chunk_tokens: int | None = None, *, mean: bool = False):
+    """(sum of token losses, counted tokens, expert counts) of a batch; with mean, the token mean instead of the
+    sum. ce_chunk_tokens: run the vocabulary head and the cross-entropy in chunks of this many tokens, gradients
+    formed per chunk (model/loss.py: chunked_head_cross_entropy, whose `mean` leaves the head gradient final in the
+    forward; never holds the [B, T, V] fp32 logits)."""
     extra, mask = model_inputs(batch, reset_at_documents), loss_mask(batch, reset_at_documents)
     if ce_chunk_tokens:
         hidden, aux = model.model(batch["inputs"], **extra)
         bias = model.lm_head.bias[...] if model.lm_head is not None and model.lm_head.bias is not None else None
         total, counted = chunked_head_cross_entropy(hidden, model.head_weight(), batch["targets"], mask, bias=bias,
-                                                    chunk_tokens=ce_chunk_tokens, impl=model.cfg.ce_impl)
+                                                    chunk_tokens=ce_chunk_tokens, impl=model.cfg.ce_impl, mean=mean)
         return total, counted, aux.expert_counts
     logits, aux = model.forward(batch["inputs"], **extra)
     terms, counted = token_cross_entropy_terms(logits, batch["targets"], mask)
-    return terms.sum(), counted.sum(), aux.expert_counts
+    total, counted = terms.sum(), counted.sum()
+    return (total / jnp.maximum(counted, 1.0) if mean else total), counted, aux.expert_counts
 
 
 def make_loss_fn(graphdef, reset_at_documents: bool, *, ce_chunk_tokens: int | None = None):
     def loss_fn(params, model_state, batch):
-        total, counted, counts = loss_sums(nnx.merge(graphdef, params, model_state), batch, reset_at_documents,
-                                           ce_chunk_tokens)
-        return total / jnp.maximum(counted, 1.0), counts
+        mean, _, counts = loss_sums(nnx.merge(graphdef, params, model_state), batch, reset_at_documents,
+                                    ce_chunk_tokens, mean=True)
+        return mean, counts
     return loss_fn
 
 
