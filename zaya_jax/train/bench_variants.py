@@ -157,7 +157,9 @@ def extra_variants(batch: int, seq: int, gpu: bool) -> list[Variant]:
                "restacked"),
         *(r(accum16, name=f"accum16_grads_per_pass{m}", grads_per_pass=m,
             note=f"accum16 with the gradients of {m} microbatch(es) added to the fp32 sum in one pass")
-          for m in (1, 2)),
+          for m in (1, 2, 8)),
+        r(accum16, name="accum16_cudnn_attn", attention_impl="cudnn" if gpu else "xla",
+          note="accum16 with cuDNN's attention"),
         r(accum16, name="accum16_xla_conv", conv_impl="xla",
           note="accum16 with XLA's CCA q/k mixing (both convolutions, mean residual paths)"),
         r(accum16, name="accum16_ce4096", ce_chunk=4096, note="accum16, CE chunks of 4096 tokens"),
