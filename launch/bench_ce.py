@@ -25,9 +25,9 @@ from pallas_kernels.softmax_xent import XentLaunch
 from zaya_jax.model import loss
 from zaya_jax.ops.cross_entropy import IMPLS, softmax_xent_reference
 
-# (block, warps, prefetch) candidates timed with --sweep
-SWEEP = [(4096, 4, 0), (4096, 4, 2), (4096, 8, 1), (2048, 4, 1), (2048, 2, 2), (8192, 8, 1), (8192, 4, 1),
-         (1024, 1, 2), (2048, 8, 2)]
+# (block, warps, prefetch, reversed second pass) candidates timed with --sweep
+SWEEP = [(4096, 8, 1, False), (4096, 16, 1, True), (4096, 8, 2, True), (8192, 8, 1, True), (2048, 8, 2, True),
+         (4096, 4, 1, True)]
 
 
 def problem(tokens: int, hidden: int, vocab: int, seed: int = 0):

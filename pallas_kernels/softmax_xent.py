@@ -6,9 +6,10 @@ Triton lowering).
            d_logits [N, V] in the logits' dtype = weights * (softmax(logits) - onehot(target))
 
 The chunked head loss (zaya_jax/model/loss.py) forms the gradient of each chunk of logits right after the head GEMM.
-Here one program walks one row twice: an online max / sum-exp pass, then a pass that writes the gradient and picks
-up the target logit: two reads and one write of the logits. On the H200 (4096 x 262272 bf16, launch/bench_ce.py):
-1.82 ms, 0.86 of copy bandwidth, against 2.45 ms for XLA's fusions of the same reference (benchmarks/ce_h200.json).
+Here one program walks one row twice: an online max / sum-exp pass, then a pass (from the row's end back) that writes
+the gradient and picks up the target logit: two reads and one write of the logits. On the H200 (4096 x 262272 bf16,
+launch/bench_ce.py): 1.82 ms, 0.86 of copy bandwidth, against 2.45 ms for XLA's fusions of the same reference
+(benchmarks/ce_h200.json), before the reversed second pass.
 
 Rows are [V] vectors read in power-of-two blocks with the tail masked, so any V works (ZAYA1: 262272). Statistics are
 fp32. A row with weight 0 gets loss 0 and a zero gradient.
@@ -32,13 +33,18 @@ NEG = -1.0e30  # masked tail entries: exp(NEG - max) == 0 without inf arithmetic
 
 @dataclasses.dataclass(frozen=True)
 class XentLaunch:
-    """Columns per loop step, warps per program (one program per row), and blocks loaded `prefetch` steps ahead
-    (carried in registers: Triton does not pipeline loads of a loop without a dot). On the H200 (4096 x 262272
-    bf16, benchmarks/ce_sweep_h200.json) 4096 columns x 8 warps x 1 ahead runs at 0.86 of copy bandwidth; 4 warps
-    0.72-0.75, 2048 columns 0.73-0.79, 8192 columns 0.52-0.66."""
+    """Columns per loop step, warps per program, and blocks loaded `prefetch` steps ahead (carried in registers:
+    Triton does not pipeline loads of a loop without a dot). On the H200 (4096 x 262272 bf16,
+    benchmarks/ce_sweep_h200.json) 4096 columns x 8 warps x 1 ahead runs at 0.86 of copy bandwidth; 4 warps
+    0.72-0.75, 2048 columns 0.73-0.79, 8192 columns 0.52-0.66.
+    reverse: the second pass walks the row from its end, so it starts on the blocks most likely still in the L2
+    cache: 3.79 against 4.01 ms on the H200 at 8192 x 262272 (benchmarks/ce_sweep_l2_h200.json). Programs that
+    each walk a range of rows (fewer rows in flight, more of each in L2) measured 1.3-2.5x slower there: too few
+    loads in flight to keep the memory busy."""
     block: int = 4096
     num_warps: int = 8
     prefetch: int = 1
+    reverse: bool = True
 
 
 def _walk(n_blocks: int, load, body, carry, prefetch: int):
@@ -53,14 +59,14 @@ def _walk(n_blocks: int, load, body, carry, prefetch: int):
     return jax.lax.fori_loop(0, n_blocks, step, (tuple(load(k) for k in range(prefetch)), carry))[1]
 
 
-def _xent_kernel(x_ref, t_ref, w_ref, loss_ref, d_ref, *, vocab: int, block: int, prefetch: int):
+def _xent_kernel(x_ref, t_ref, w_ref, loss_ref, d_ref, *, vocab: int, block: int, prefetch: int, reverse: bool):
     n_blocks = pl.cdiv(vocab, block)
     lanes = jnp.arange(block)
     target, weight = t_ref[...], w_ref[...]  # [1]
 
     def load(j):
         idx = j * block + lanes
-        return plgpu.load(x_ref.at[idx], mask=idx < vocab, other=NEG)
+        return plgpu.load(x_ref.at[idx], mask=(idx >= 0) & (idx < vocab), other=NEG)
 
     def stats(j, x, carry):
         top, total = carry
@@ -71,16 +77,18 @@ def _xent_kernel(x_ref, t_ref, w_ref, loss_ref, d_ref, *, vocab: int, block: int
     init = (jnp.full((1,), NEG, F32), jnp.zeros((1,), F32))
     top, total = _walk(n_blocks, load, stats, init, prefetch)
     lse = top + jnp.log(total)
+    order = (lambda j: n_blocks - 1 - j) if reverse else (lambda j: j)
 
     def grad(j, x, picked):
         x = x.astype(F32)
-        idx = j * block + lanes
+        idx = order(j) * block + lanes
         hit = idx == target
         plgpu.store(d_ref.at[idx], (weight * (jnp.exp(x - lse) - hit.astype(F32))).astype(d_ref.dtype),
-                    mask=idx < vocab)
+                    mask=(idx >= 0) & (idx < vocab))
         return picked + jnp.sum(jnp.where(hit, x, 0.0), axis=0, keepdims=True)
 
-    picked = _walk(n_blocks, load, grad, jnp.zeros((1,), F32), prefetch)
+    # past either end the loads are fully masked (prefetch beyond the last block, j < 0 in reverse)
+    picked = _walk(n_blocks, lambda j: load(order(j)), grad, jnp.zeros((1,), F32), prefetch)
     loss_ref[...] = jnp.where(weight != 0, weight * (lse - picked), 0.0)
 
 
@@ -105,10 +113,11 @@ def softmax_xent(logits, targets, weights, launch: XentLaunch | None = None):
     if launch.block & (launch.block - 1) or launch.prefetch < 0:
         raise ValueError(f"XentLaunch needs a power-of-two block and prefetch >= 0, got {launch}")
     logits, targets, weights = _vma.vary_to_union(logits, targets.astype(jnp.int32), weights.astype(F32))
+    kw = dict(vocab=vocab, block=launch.block, prefetch=launch.prefetch, reverse=launch.reverse)
     row = pl.BlockSpec((None, vocab), lambda i: (i, 0))
     one = pl.BlockSpec((1,), lambda i: (i,))
     loss, d_logits = pl.pallas_call(
-        functools.partial(_xent_kernel, vocab=vocab, block=launch.block, prefetch=launch.prefetch),
+        functools.partial(_xent_kernel, **kw),
         grid=(n,),
         in_specs=[row, one, one],
         out_specs=[one, row],

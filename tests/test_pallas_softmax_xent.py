@@ -39,11 +39,13 @@ def test_kernel_matches_the_reference(n, vocab, dtype):
     check(softmax_xent(logits, targets, weights, "pallas"), softmax_xent_reference(logits, targets, weights), dtype)
 
 
-@pytest.mark.parametrize("prefetch", [0, 2])
-def test_kernel_with_other_prefetch_depths(prefetch):
-    logits, targets, weights = problem(prefetch, 5, 1500, jnp.float32)
-    got = pk.softmax_xent(logits, targets, weights, pk.XentLaunch(block=256, num_warps=4, prefetch=prefetch))
-    check(got, softmax_xent_reference(logits, targets, weights), jnp.float32)
+@pytest.mark.parametrize("prefetch,reverse", [(0, False), (2, False), (0, True), (2, True)])
+def test_kernel_with_other_launches(prefetch, reverse):
+    """Prefetch depths, with the second pass from the row's end (the default) or from its start."""
+    logits, targets, weights = problem(prefetch + 3 * reverse, 5, 1500, jnp.float32)
+    launch = pk.XentLaunch(block=256, num_warps=4, prefetch=prefetch, reverse=reverse)
+    check(pk.softmax_xent(logits, targets, weights, launch), softmax_xent_reference(logits, targets, weights),
+          jnp.float32)
 
 
 def test_the_reference_is_the_softmax_cross_entropy_and_its_gradient():
