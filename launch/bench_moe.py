@@ -44,7 +44,11 @@ FWD_CFGS = [dict(),
             dict(fwd_n=256, fwd_k=64, fwd_warps=8, fwd_stages=4),
             dict(fwd_n=128, fwd_k=128, fwd_warps=8, fwd_stages=3),
             dict(group_rows=16),
-            dict(block_rows=64, fwd_warps=4, fwd_stages=4)]
+            dict(block_rows=64, fwd_warps=4, fwd_stages=4),
+            # 64-row tiles halve each expert's padding (15% of the rows at 128 on the bench routing, ~7% at 64)
+            dict(block_rows=64, fwd_n=256, fwd_k=64, fwd_warps=8, fwd_stages=4),
+            dict(block_rows=64, fwd_n=256, fwd_k=128, fwd_warps=8, fwd_stages=3),
+            dict(block_rows=64, fwd_n=128, fwd_k=128, fwd_warps=4, fwd_stages=4)]
 DGRAD_CFGS = [dict(),
               dict(dgrad_warps=4, dgrad_stages=4),
               dict(dgrad_n=256, dgrad_k=64, dgrad_warps=8, dgrad_stages=3),

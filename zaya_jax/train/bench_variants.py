@@ -166,6 +166,9 @@ def extra_variants(batch: int, seq: int, gpu: bool) -> list[Variant]:
         *(r(v, name=f"{v.name}_moe_prev_tiles", moe_tiling=PREVIOUS_MOE_TILING,
             note=f"{v.name} with the grouped-GEMM tiles before benchmarks/moe_sweep_h200.json")
           for v in (fwd_bwd, accum16)),
+        *(r(v, name=f"{v.name}_moe_rows64", moe_tiling=(("block_rows", 64),),
+            note=f"{v.name} with 64-row grouped-GEMM tiles (half the padding of each expert's rows)")
+          for v in (fwd_bwd, accum16)),
     ]
 
 
