@@ -41,10 +41,11 @@ cmd=${1:-train}
 [[ $# -gt 0 ]] && shift
 case $cmd in
   train) ensure_venv; exec .venv/bin/python -m launch.train "$@" ;;
-  # two workers, one test file each: most of the suite is single-threaded compilation (2 cores in CI)
+  # two workers, one test file each: most of the suite is single-threaded compilation (2 cores in CI); files in
+  # collection order, which tests/conftest.py starts with the longest ones
   # the two environments install side by side (downloads and unpacking overlap); either failing stops the run
   test) ensure_ref_venv & ref_setup=$!; ensure_venv; wait "$ref_setup"
-        exec .venv/bin/python -m pytest -n "${ZAYA_TEST_WORKERS:-2}" --dist loadfile "$@" ;;
+        exec .venv/bin/python -m pytest -n "${ZAYA_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@" ;;
   python) ensure_venv; exec .venv/bin/python "$@" ;;
   *) echo "usage: ./run.sh [train|test|python] [ARGS...]" >&2; exit 2 ;;
 esac

@@ -20,7 +20,20 @@ jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.dirname(__fi
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
+# The files that take longest on 2 cores (cold compilation cache), run first: with one file per xdist worker
+# (run.sh: --dist loadfile --no-loadscope-reorder) a long file scheduled last leaves the other worker idle.
+LONGEST_FIRST = ("test_parallel_train", "test_train_accumulation", "test_train", "test_fault_multiprocess",
+                 "test_compute_view", "test_fault_tolerance", "test_scaling", "test_parallel_zero1", "test_bench_train",
+                 "test_pallas_model", "test_inference_lm_eval")
+
+
+def _file_rank(item):
+    name = os.path.splitext(os.path.basename(str(item.fspath)))[0]
+    return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_file_rank)  # stable: the order inside a file and among the other files is kept
     if jax.default_backend() != "cpu":
         return
     skip = pytest.mark.skip(reason="needs a GPU (run with ZAYA_TEST_GPU=1 -m gpu on a GPU machine)")
