@@ -113,11 +113,11 @@ def softmax_xent(logits, targets, weights, launch: XentLaunch | None = None):
     if launch.block & (launch.block - 1) or launch.prefetch < 0:
         raise ValueError(f"XentLaunch needs a power-of-two block and prefetch >= 0, got {launch}")
     logits, targets, weights = _vma.vary_to_union(logits, targets.astype(jnp.int32), weights.astype(F32))
-    kw = dict(vocab=vocab, block=launch.block, prefetch=launch.prefetch, reverse=launch.reverse)
     row = pl.BlockSpec((None, vocab), lambda i: (i, 0))
     one = pl.BlockSpec((1,), lambda i: (i,))
     loss, d_logits = pl.pallas_call(
-        functools.partial(_xent_kernel, **kw),
+        functools.partial(_xent_kernel, vocab=vocab, block=launch.block, prefetch=launch.prefetch,
+                          reverse=launch.reverse),
         grid=(n,),
         in_specs=[row, one, one],
         out_specs=[one, row],

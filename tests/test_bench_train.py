@@ -68,8 +68,8 @@ def test_the_ce_chunk_option_leaves_the_other_side_of_an_ab_alone():
 
 
 def test_moe_tiling_variants_replace_real_fields_and_only_while_tracing(monkeypatch):
-    """The *_moe_prev_tiles / *_moe_rows64 A/B variants name GroupedTiling fields; the override holds inside the context only and
-    gives the H200 another tiling than the default."""
+    """The *_moe_prev_tiles / *_moe_rows64 A/B variants name GroupedTiling fields; the override holds inside the
+    context only and gives the H200 another tiling than the default."""
     from pallas_kernels import _platform
     from pallas_kernels import grouped_matmul as gk
     monkeypatch.setattr(_platform, "vendor", lambda: "cuda")
