@@ -20,6 +20,13 @@ Logits are kept in base 2: s2 = (q . k) * scale * log2(e), so the softmax uses e
 lse2 = log2(sum 2^s2). Masked logits are NEG; a row that sees no key gets lse2 = DEAD_LSE and a zero output, so
 every exp2(s2 - lse2) of the backward is 0 for it. Unmasked steps scale the raw dot inside the exponent's
 argument (one fused multiply-add per logit) and only the row maxima separately.
+
+Forward softmax shift: softmax(s) = 2^(s - m) / sum 2^(s - m) for any m, and m only has to keep the terms from
+overflowing or all underflowing. The 'online' loop carries the running row maximum (one max reduction per tile and
+a rescale of the accumulator whenever it grows). The 'bound' loop takes m = |q| * max_s |k_s| * scale * log2(e),
+which no logit of the row exceeds (Cauchy-Schwarz), so it needs neither; it is used for a program's tile when
+every row's bound is <= BOUND_SHIFT_MAX (CCA's L2-normalised queries and keys keep it near sqrt(d) * |temp| *
+log2(e)), otherwise that tile takes the online loop.
 """
 
 from __future__ import annotations
@@ -41,6 +48,9 @@ F32 = jnp.float32
 LOG2E = math.log2(math.e)
 NEG = -1.0e30
 DEAD_LSE = 1.0e30
+# The 'bound' forward shifts a row's base-2 logits by their bound b = |q| * max|k| * scale * log2(e) where b <= this:
+# the row's largest term is then >= 2^-2b >= 2^-96, and terms flushed below fp32's 2^-126 are < 2^-30 of it.
+BOUND_SHIFT_MAX = 48.0
 
 
 def stacked_heads(groups: int, requested: int) -> int:
@@ -136,14 +146,29 @@ def _query_grid_specs(B, Tp, Sp, H, KV, dp, bq, heads):
 
 
 # ------------------------------------------------------------------------------------------------------ forward
-def _fwd_kernel(rng_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *rest, c, block_k, heads, has_seg, has_window):
+def key_norm_bound(k, scale: float):
+    """[B, KV] fp32: scale * log2(e) * the largest key norm of each KV head. A query row's logits s2 (base 2) then
+    satisfy |s2| <= |q| * this (Cauchy-Schwarz): the shift of the forward's 'bound' softmax."""
+    kf = k.astype(F32)
+    return jnp.sqrt(jnp.max(jnp.sum(kf * kf, axis=-1), axis=1)) * (scale * LOG2E)
+
+
+def _fwd_kernel(rng_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *rest, c, block_k, heads, has_seg, has_window, mode,
+                kv_heads, blocks_per_kv):
+    """mode 'online': every tile with the running maximum. 'bound': tiles whose rows' bounds are all <= BOUND_SHIFT_MAX
+    with the bound shift; the others get lse NaN (and o 0). 'fallback': o and lse come in aliased to the outputs,
+    and only tiles whose lse is NaN are computed (online) and stored. One loop kind per kernel: with both in one
+    kernel, in an if/else or in two ifs in a row, Triton kept both loops' pipeline buffers (428 KB of shared memory
+    at 128 x 128 tiles with 3 stages, against the H200's 227 KB)."""
+    if mode == "bound":
+        kbound_ref, rest = rest[0], rest[1:]
+    elif mode == "fallback":  # the first launch's outputs (aliased to this one's)
+        lse_in_ref, rest = rest[1], rest[2:]
     qs_ref, ks_ref, window, (o_ref, lse_ref) = _optional_refs(rest, has_seg, has_window, 2)
-    q = _stack(q_ref[...], heads)
-    rows, dp = q.shape
     q_pos = _per_row(qp_ref[...], heads)[:, None]
     q_seg = _per_row(qs_ref[...], heads)[:, None] if has_seg else None
 
-    def run(lo, hi, carry, masked):
+    def run(q, shift, lo, hi, carry, masked):
         def step(j, carry):
             acc, m, l = carry
             start = pl.multiple_of(j * block_k, block_k)
@@ -151,47 +176,96 @@ def _fwd_kernel(rng_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *rest, c, block_k,
             if masked:
                 kv_seg = ks_ref[pl.ds(start, block_k)][None, :] if has_seg else None
                 ok = _visible(q_pos, kp_ref[pl.ds(start, block_k)][None, :], q_seg, kv_seg, window)
-                s = jnp.where(ok, qk * c, NEG)
-                m_new = jnp.maximum(m, jnp.max(s, axis=1))
-                p = jnp.exp2(s - m_new[:, None])
+            if shift is not None:  # bound: no running maximum, no rescaling
+                s = qk * c - shift[:, None]
+                p = jnp.exp2(jnp.where(ok, s, NEG) if masked else s)
             else:
-                m_new = jnp.maximum(m, jnp.max(qk, axis=1) * c)
-                p = jnp.exp2(qk * c - m_new[:, None])
-            alpha = jnp.exp2(m - m_new)
+                if masked:
+                    s = jnp.where(ok, qk * c, NEG)
+                    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+                    p = jnp.exp2(s - m_new[:, None])
+                else:  # the row maxima scaled separately: one fused multiply-add per logit
+                    m_new = jnp.maximum(m, jnp.max(qk, axis=1) * c)
+                    p = jnp.exp2(qk * c - m_new[:, None])
+                alpha = jnp.exp2(m - m_new)
+                acc, m, l = acc * alpha[:, None], m_new, l * alpha
             v = v_ref[pl.ds(start, block_k), :]
-            acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
-            return acc, m_new, l * alpha + jnp.sum(p, axis=1)
+            return acc + plgpu.dot(p.astype(v.dtype), v), m, l + jnp.sum(p, axis=1)
         return lax.fori_loop(lo, hi, step, carry)
 
-    init = (jnp.zeros((rows, dp), F32), jnp.full((rows,), NEG, F32), jnp.zeros((rows,), F32))
-    acc, m, l = _three_loops(rng_ref, run, init)
-    live = m > 0.5 * NEG
-    o = jnp.where(live[:, None], acc / l[:, None], 0.0)
-    o_ref[...] = _unstack(o, heads).astype(o_ref.dtype)
-    lse_ref[...] = _stats_unstack(jnp.where(live, m + jnp.log2(l), DEAD_LSE), heads)
+    def attend(q, shift=None):
+        """-> (o, lse) of the tile; shift: the rows' bounds (the bound loop) or None (online)."""
+        rows, dp = q.shape
+        init = (jnp.zeros((rows, dp), F32), jnp.full((rows,), NEG, F32), jnp.zeros((rows,), F32))
+        acc, m, l = _three_loops(rng_ref, functools.partial(run, q, shift), init)
+        if shift is None:
+            live = m > 0.5 * NEG  # a row that saw no key keeps m = NEG (and its l counts the masked terms as 1)
+        else:
+            live, m = l > 0.0, shift  # every visible key adds >= 2^-(2 * BOUND_SHIFT_MAX) to l
+        return jnp.where(live[:, None], acc / l[:, None], 0.0), jnp.where(live, m + jnp.log2(l), DEAD_LSE)
+
+    def store(o, lse):
+        o_ref[...] = _unstack(o, heads).astype(o_ref.dtype)
+        lse_ref[...] = _stats_unstack(lse, heads)
+
+    if mode == "online":
+        store(*attend(_stack(q_ref[...], heads)))
+    elif mode == "bound":
+        q = _stack(q_ref[...], heads)
+        kbound = kbound_ref[pl.program_id(1) * kv_heads + lax.div(pl.program_id(0), blocks_per_kv)]
+        qf = q.astype(F32)
+        shift = jnp.sqrt(jnp.sum(qf * qf, axis=1)) * kbound
+        use_bound = jnp.max(shift) <= BOUND_SHIFT_MAX
+        zeros = (jnp.zeros(q.shape, F32), jnp.zeros(shift.shape, F32))
+        o, lse = lax.cond(use_bound, lambda: attend(q, shift), lambda: zeros)
+        store(o, jnp.where(use_bound, lse, jnp.nan))
+    else:
+        flagged = jnp.sum(jnp.isnan(lse_in_ref[...]).astype(jnp.int32)) > 0
+
+        @pl.when(flagged)
+        def _():
+            store(*attend(_stack(q_ref[...], heads)))
 
 
 def forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, window, ranges, *, scale, blocks):
-    """-> (o [B, Tp, H, dp] q.dtype, lse2 [B, H, Tp] fp32)."""
+    """-> (o [B, Tp, H, dp] q.dtype, lse2 [B, H, Tp] fp32). With the 'bound' shift (bf16 / fp16 inputs; fp32 ones
+    keep the online loop: an exponent argument down to -2 * BOUND_SHIFT_MAX carries ~2^-17 relative rounding into
+    its term, far below bf16's 2^-9 but not below fp32's tolerance) a second launch redoes the tiles that could
+    not take it; with CCA's normalised queries and keys its programs only read their lse and return."""
     B, Tp, H, dp = q.shape
     Sp, KV = k.shape[1], k.shape[2]
     bq, bk = blocks.fwd_q, blocks.fwd_k
     heads = stacked_heads(H // KV, blocks.fwd_heads)
-    ranges, q, k, v, q_pos, kv_pos, q_seg, kv_seg, window = _vma.vary_to_union(
-        ranges, q, k, v, q_pos, kv_pos, q_seg, kv_seg, window)
+    bound = blocks.fwd_shift == "bound" and q.dtype != F32
+    kbound = None
+    if bound:  # flat [B * KV], padded to a power of two (a whole-array block)
+        kbound = key_norm_bound(k, scale).reshape(-1)
+        kbound = jnp.pad(kbound, (0, _platform.next_pow2(max(16, B * KV)) - B * KV))
+    ranges, q, k, v, q_pos, kv_pos, q_seg, kv_seg, window, kbound = _vma.vary_to_union(
+        ranges, q, k, v, q_pos, kv_pos, q_seg, kv_seg, window, kbound)
     sp = _query_grid_specs(B, Tp, Sp, H, KV, dp, bq, heads)
     opt_specs, opt_arrays = _optional_inputs(sp["q_vec"], sp["kv_vec"], q_seg, kv_seg, window)
-    in_specs = [sp["ranges"], sp["q"], sp["kv"], sp["kv"], sp["q_vec"], sp["kv_vec"]] + opt_specs
-    return pl.pallas_call(
-        functools.partial(_fwd_kernel, c=scale * LOG2E, block_k=bk, heads=heads, has_seg=q_seg is not None,
-                          has_window=window is not None),
-        grid=(H // heads, B, Tp // bq),
-        in_specs=in_specs,
-        out_specs=[sp["q"], sp["stats"]],
-        out_shape=[_vma.out_struct(q.shape, q.dtype, q), _vma.out_struct((B, H, Tp), F32, q)],
-        compiler_params=_platform.compiler_params(blocks.fwd_warps, blocks.fwd_stages),
-        interpret=_platform.interpret(), name="cca_attention_fwd",
-    )(ranges, q, k, v, q_pos, kv_pos, *opt_arrays)
+    in_specs = [sp["ranges"], sp["q"], sp["kv"], sp["kv"], sp["q_vec"], sp["kv_vec"]]
+    args = [ranges, q, k, v, q_pos, kv_pos]
+
+    def call(mode, extra_specs, extra_args, aliases=None):
+        return pl.pallas_call(
+            functools.partial(_fwd_kernel, c=scale * LOG2E, block_k=bk, heads=heads, has_seg=q_seg is not None,
+                              has_window=window is not None, mode=mode, kv_heads=KV, blocks_per_kv=H // KV // heads),
+            grid=(H // heads, B, Tp // bq),
+            in_specs=in_specs + extra_specs + opt_specs,
+            out_specs=[sp["q"], sp["stats"]],
+            out_shape=[_vma.out_struct(q.shape, q.dtype, q), _vma.out_struct((B, H, Tp), F32, q)],
+            input_output_aliases=aliases or {},
+            compiler_params=_platform.compiler_params(blocks.fwd_warps, blocks.fwd_stages),
+            interpret=_platform.interpret(), name=f"cca_attention_fwd{'' if mode == 'online' else '_' + mode}",
+        )(*args, *extra_args, *opt_arrays)
+
+    if not bound:
+        return call("online", [], [])
+    o, lse2 = call("bound", [pl.BlockSpec(kbound.shape, lambda *_: (0,))], [kbound])
+    aliases = {len(args): 0, len(args) + 1: 1}  # o and lse come right after the fixed inputs
+    return call("fallback", [sp["q"], sp["stats"]], [o, lse2], aliases)
 
 
 # ----------------------------------------------------------------------------------------------------------- dq

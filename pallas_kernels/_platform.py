@@ -44,6 +44,7 @@ def dot_precision(dtype):
 
 
 BACKWARDS = ("split", "atomic", "tiles")
+FORWARD_SHIFTS = ("bound", "online")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +58,9 @@ class AttentionBlocks:
     fwd_warps: int = 8
     fwd_stages: int = 3
     fwd_heads: int = 1
+    # Softmax shift of the forward: 'bound' subtracts each row's Cauchy-Schwarz bound on its logits where that is
+    # small enough (no running maximum, no rescaling; see _attention_kernels), 'online' always keeps a running max.
+    fwd_shift: str = "bound"
     dq_q: int = 128
     dq_k: int = 64
     dq_warps: int = 8
@@ -80,6 +84,8 @@ class AttentionBlocks:
     def __post_init__(self):
         if self.bwd not in BACKWARDS:
             raise ValueError(f"AttentionBlocks.bwd={self.bwd!r}: expected one of {BACKWARDS}")
+        if self.fwd_shift not in FORWARD_SHIFTS:
+            raise ValueError(f"AttentionBlocks.fwd_shift={self.fwd_shift!r}: expected one of {FORWARD_SHIFTS}")
 
     def clipped(self, q_len: int, kv_len: int) -> AttentionBlocks:
         """Shrinks tiles for short sequences (never below 16, the smallest Triton dot)."""
@@ -125,7 +131,9 @@ _ATTENTION = {
     # slower (benchmarks/attention_fma_exp_h200.json). The ~8 added FMA-pipe ops per logit cost what they would if
     # run alone, so the kernels are bound by issued instructions next to the matmuls, not by the exp unit; the
     # option was removed. Flushing denormals (XLA_FLAGS=--xla_gpu_ftz=true) left the times within noise (fwd+bwd 18.55
-    # against 18.78 ms, benchmarks/attention_ftz_h200.json).
+    # against 18.78 ms, benchmarks/attention_ftz_h200.json). The forward's key-norm bound shift (fwd_shift='bound':
+    # no running maximum or rescaling) took T=32768 from 4.70 to 4.22 ms, level at 4096
+    # (benchmarks/attention_fwd_shift_h200.json).
     "cuda": AttentionBlocks(fwd_q=128, fwd_k=128, fwd_warps=8, fwd_stages=3, dq_stages=4, dkv_q=32, dkv_heads=2,
                             bwd="tiles", tiles_dq_stages=2),
     # MI300X: 64-lane wavefronts (4 waves = 256 lanes), AMD's Triton pipeliner wants num_stages 1-2.

@@ -69,6 +69,51 @@ def test_causal_gqa(dtype, dkv_split, heads, bwd):
     _check(q, k, v, do, dtype, blocks=blocks)
 
 
+def _shift_check(q, k, v, do, **kw):
+    """Both forward shifts on bf16 inputs (fp32 ones always take the online loop) against the fp32 reference;
+    returns the key-norm bound of the largest row."""
+    q, k, v, do = (x.astype(jnp.bfloat16) for x in (q, k, v, do))
+    want = _upcast_reference(q, k, v, do, kw)
+    for shift in ("bound", "online"):
+        blocks = dataclasses.replace(_platform.attention_blocks(16), fwd_shift=shift)
+        got = _fwd_bwd(functools.partial(pk.attention, blocks=blocks), q, k, v, do, kw)
+        errs = {name: rel_err(a, b) for name, a, b in zip(("o", "dq", "dk", "dv"), got, want)}
+        assert max(errs.values()) <= TOL[jnp.bfloat16], (shift, errs)
+    qn = jnp.sqrt(jnp.sum(q.astype(jnp.float32) ** 2, axis=-1)).max()
+    return float(qn * pk.kern.key_norm_bound(k, q.shape[-1] ** -0.5).max())
+
+
+def test_forward_shift_by_the_key_norm_bound_and_its_fallback():
+    """Unit-variance inputs take the bound shift; queries 100x as long would underflow every term under their bound
+    (it exceeds the largest logit by hundreds), so those tiles (here one batch row's) take the online loop."""
+    q, k, v, do = _qkv(20, 2, 45, 45, 4, 2, 16, jnp.float32)
+    assert _shift_check(q, k, v, do) <= pk.kern.BOUND_SHIFT_MAX
+    q = q.at[1].multiply(100.0)
+    assert _shift_check(q, k, v, do, sliding_window=11) > 10 * pk.kern.BOUND_SHIFT_MAX
+
+
+def test_bound_shift_when_every_logit_sits_at_minus_the_bound():
+    """Keys pointing away from every query: each row's logits are near -b with b just under BOUND_SHIFT_MAX, the
+    worst case of the bound shift (its terms are near 2^-2b). The forward's o and lse (what the backward reads)
+    against the fp32 reference on the same bf16 values."""
+    B, T, H, KV, d = 1, 40, 4, 2, 16
+    _, _, v, _ = _qkv(21, B, T, T, H, KV, d, jnp.bfloat16)
+    noise = jax.random.normal(jax.random.key(22), (2, B, T, 1, d)) * 0.05
+    unit = (1.0 + noise) / jnp.linalg.norm(1.0 + noise, axis=-1, keepdims=True)
+    length = (0.99 * pk.kern.BOUND_SHIFT_MAX / (d ** -0.5 * pk.kern.LOG2E)) ** 0.5
+    q = jnp.broadcast_to(length * unit[0], (B, T, H, d)).astype(jnp.bfloat16)
+    k = jnp.broadcast_to(-length * unit[1], (B, T, KV, d)).astype(jnp.bfloat16)
+    bound = float(jnp.sqrt(jnp.sum(q.astype(jnp.float32) ** 2, -1)).max() * pk.kern.key_norm_bound(k, d ** -0.5).max())
+    assert 0.9 * pk.kern.BOUND_SHIFT_MAX < bound <= pk.kern.BOUND_SHIFT_MAX
+    ref_o, ref_lse = ops.attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), return_lse=True)
+    assert float(ref_lse.max()) < -0.8 * bound * np.log(2)  # every logit far below the shift
+    o, lse = jax.jit(functools.partial(pk.attention_with_lse, blocks=_platform.attention_blocks(16)))(q, k, v)
+    assert rel_err(o, ref_o) <= TOL[jnp.bfloat16]
+    assert float(jnp.abs(lse - ref_lse).max()) <= 1e-4
+    with pytest.raises(ValueError, match="fwd_shift='max'"):
+        _platform.AttentionBlocks(fwd_shift="max")
+
+
 def test_stacked_heads_clip_to_the_group():
     assert [pk.kern.stacked_heads(g, 4) for g in (1, 2, 3, 4, 6, 8)] == [1, 2, 1, 4, 2, 4]
     assert pk.kern.stacked_heads(8, 1) == 1
@@ -264,16 +309,16 @@ def _sharded_inputs(seed, B, T, H, KV, d, dtype):
 # The whole-side gradients (out_specs P()) only type-check if they were summed over the shards (one all-reduce
 # each). In the 'kv' layout the kernels' first input (q) is invariant, yet their outputs must be typed varying.
 @pytest.mark.parametrize("chunked,summed", [("q", 2), ("kv", 1)])
-@pytest.mark.parametrize("bwd,kernels", [("split", ("cca_attention_fwd", "cca_attention_dq", "cca_attention_dkv")),
-                                         ("atomic", ("cca_attention_fwd", "cca_attention_bwd_fused")),
-                                         ("tiles", ("cca_attention_fwd", "cca_attention_dkv",
-                                                    "cca_attention_dq_tiles"))])
+@pytest.mark.parametrize("bwd,kernels", [("split", ("cca_attention_dq", "cca_attention_dkv")),
+                                         ("atomic", ("cca_attention_bwd_fused",)),
+                                         ("tiles", ("cca_attention_dkv", "cca_attention_dq_tiles"))])
 def test_fwd_bwd_lower_for_cuda_inside_shard_map(monkeypatch, bwd, kernels, chunked, summed):
     monkeypatch.setattr(_platform, "interpret", lambda: False)
     blocks = dataclasses.replace(_platform.attention_blocks(16, 64), bwd=bwd)
     args = _sharded_inputs(13, 2, 8 * 64, 4, 2, 16, jnp.bfloat16)
     fn = _sharded_grads(functools.partial(pk.attention_with_lse, blocks=blocks), chunked)
     text = _vma.lower_in_shard_map_for_cuda(fn, args, **SHARD_SPECS[chunked])
+    kernels = ("cca_attention_fwd_bound", "cca_attention_fwd_fallback") + kernels  # bf16: the bound forward
     assert text.count("__gpu$xla.gpu.triton") == len(kernels)
     for name in kernels:
         assert f'name = "{name}"' in text, name
