@@ -45,7 +45,9 @@ FWD_CFGS = [dict(),
             dict(fwd_n=128, fwd_k=128, fwd_warps=8, fwd_stages=3),
             dict(group_rows=16),
             dict(block_rows=64, fwd_warps=4, fwd_stages=4),
-            # 64-row tiles halve each expert's padding (15% of the rows at 128 on the bench routing, ~7% at 64)
+            # 64-row tiles halve each expert's padding (15% of the rows at 128 on the bench routing, ~7% at 64), but
+            # measured slower: forward 0.41-0.42 against 0.38-0.39 ms, 16 microbatches 1310.3 against 1297.4 ms in the
+            # step (benchmarks/moe_sweep_rows64_h200.json, train_h200_moe_rows64_ab.json)
             dict(block_rows=64, fwd_n=256, fwd_k=64, fwd_warps=8, fwd_stages=4),
             dict(block_rows=64, fwd_n=256, fwd_k=128, fwd_warps=8, fwd_stages=3),
             dict(block_rows=64, fwd_n=128, fwd_k=128, fwd_warps=4, fwd_stages=4)]
