@@ -133,7 +133,9 @@ _ATTENTION = {
     # option was removed. Flushing denormals (XLA_FLAGS=--xla_gpu_ftz=true) left the times within noise (fwd+bwd 18.55
     # against 18.78 ms, benchmarks/attention_ftz_h200.json). The forward's key-norm bound shift (fwd_shift='bound':
     # no running maximum or rescaling) took T=32768 from 4.70 to 4.22 ms, level at 4096
-    # (benchmarks/attention_fwd_shift_h200.json). Its row sums as p . ones[block_k, 16] on the tensor cores, reduced
+    # (benchmarks/attention_fwd_shift_h200.json); under it the 128 x 128 forward tile with 8 warps and 3 stages stays
+    # the fastest of 11 at 32k (256 x 64 with 16 warps 4.34, 128 x 64 4.77 against 4.26 ms;
+    # benchmarks/attention_fwd_bound_tiles_h200.json). Its row sums as p . ones[block_k, 16] on the tensor cores, reduced
     # once at the end: 128 x 128 tiles then exceed shared memory, 128 x 64 ones took 4.83 ms
     # (benchmarks/attention_fwd_rowsum_h200.json); removed.
     "cuda": AttentionBlocks(fwd_q=128, fwd_k=128, fwd_warps=8, fwd_stages=3, dq_stages=4, dkv_q=32, dkv_heads=2,
