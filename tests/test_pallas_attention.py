@@ -69,6 +69,12 @@ def test_causal_gqa(dtype, dkv_split, heads, bwd):
     _check(q, k, v, do, dtype, blocks=blocks)
 
 
+def _largest_row_bound(q, k):
+    """The largest row bound |q| * max|k| * scale * log2(e) (default scale): what the bound shift subtracts."""
+    qn = jnp.sqrt(jnp.sum(q.astype(jnp.float32) ** 2, axis=-1)).max()
+    return float(qn * pk.kern.key_norm_bound(k, q.shape[-1] ** -0.5).max())
+
+
 def _shift_check(q, k, v, do, **kw):
     """Both forward shifts on bf16 inputs (fp32 ones always take the online loop) against the fp32 reference;
     returns the key-norm bound of the largest row."""
@@ -79,8 +85,7 @@ def _shift_check(q, k, v, do, **kw):
         got = _fwd_bwd(functools.partial(pk.attention, blocks=blocks), q, k, v, do, kw)
         errs = {name: rel_err(a, b) for name, a, b in zip(("o", "dq", "dk", "dv"), got, want)}
         assert max(errs.values()) <= TOL[jnp.bfloat16], (shift, errs)
-    qn = jnp.sqrt(jnp.sum(q.astype(jnp.float32) ** 2, axis=-1)).max()
-    return float(qn * pk.kern.key_norm_bound(k, q.shape[-1] ** -0.5).max())
+    return _largest_row_bound(q, k)
 
 
 def test_forward_shift_by_the_key_norm_bound_and_its_fallback():
@@ -103,7 +108,7 @@ def test_bound_shift_when_every_logit_sits_at_minus_the_bound():
     length = (0.99 * pk.kern.BOUND_SHIFT_MAX / (d ** -0.5 * pk.kern.LOG2E)) ** 0.5
     q = jnp.broadcast_to(length * unit[0], (B, T, H, d)).astype(jnp.bfloat16)
     k = jnp.broadcast_to(-length * unit[1], (B, T, KV, d)).astype(jnp.bfloat16)
-    bound = float(jnp.sqrt(jnp.sum(q.astype(jnp.float32) ** 2, -1)).max() * pk.kern.key_norm_bound(k, d ** -0.5).max())
+    bound = _largest_row_bound(q, k)
     assert 0.9 * pk.kern.BOUND_SHIFT_MAX < bound <= pk.kern.BOUND_SHIFT_MAX
     ref_o, ref_lse = ops.attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), return_lse=True)
     assert float(ref_lse.max()) < -0.8 * bound * np.log(2)  # every logit far below the shift
