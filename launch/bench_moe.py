@@ -123,6 +123,9 @@ def main():
     ap.add_argument("--out", default="benchmarks/moe.json")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (smoke test; also what the CPU can run)")
     ap.add_argument("--no-sweep", action="store_true", help="skip the kernel launch sweeps")
+    ap.add_argument("--wgrad-sum", type=int, default=4, metavar="K",
+                    help="microbatches whose expert gradients are summed (per-microbatch kernels vs one; 0: skip)")
+    ap.add_argument("--only-wgrad-sum", action="store_true", help="run only that comparison")
     ap.add_argument("--ragged-fusion-child", metavar="PATH", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.ragged_fusion_child:
@@ -152,6 +155,17 @@ def main():
     report["ceilings"] = dict(gemm_bf16_tflops=gemm)
     print(f"  bf16 GEMM {gemm:.0f} TFLOP/s", flush=True)
     save()
+
+    if args.wgrad_sum:
+        print(f"expert gradients of {args.wgrad_sum} microbatches into an fp32 total", flush=True)
+        report["wgrad_sum"] = dict(parts=args.wgrad_sum, **moe.time_wgrad_sum(p, base, args.wgrad_sum))
+        for name, r in report["wgrad_sum"].items():
+            if isinstance(r, dict):
+                print(f"  {name:8s} per microbatch {r['per_microbatch_ms']:.3f} ms, summed {r['summed_ms']:.3f} ms "
+                      f"({r['speedup']:.2f}x), rel diff {r['rel_diff']:.1e}", flush=True)
+        save()
+        if args.only_wgrad_sum:
+            return
 
     best = base
     if not args.no_sweep:

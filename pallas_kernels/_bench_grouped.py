@@ -18,7 +18,7 @@ import numpy as np
 from pallas_kernels import _grouped_kernels as kern
 from pallas_kernels import _platform
 from pallas_kernels._bench import time_call
-from pallas_kernels.grouped_matmul import GroupedTiling, group_tiles
+from pallas_kernels.grouped_matmul import GroupedTiling, group_tiles, grouped_wgrad_sum
 from zaya_jax.model.base import activation, compute_matmul
 from zaya_jax.model.experts import expert_block
 from zaya_jax.ops import grouped_matmul as gmm
@@ -154,7 +154,7 @@ def _kernel_fn(phase: str, t: GroupedTiling):
             a["dy"], a["w"], a["tile_group"], transpose_w=False, block_n=t.dgrad_n, block_k=t.dgrad_k,
             group_rows=t.group_rows, num_warps=t.dgrad_warps, num_stages=t.dgrad_stages, interpret=interpret))
     return jax.jit(lambda a: kern.group_wgrad(
-        a["dy"], a["x"], a["start"], a["count"], block_rows=t.block_rows, block_n=t.wgrad_n, block_k=t.wgrad_k,
+        [a["dy"]], [a["x"]], a["start"][None], a["count"][None], block_rows=t.block_rows, block_n=t.wgrad_n, block_k=t.wgrad_k,
         rows_step=t.wgrad_rows, num_warps=t.wgrad_warps, num_stages=t.wgrad_stages, interpret=interpret))
 
 
@@ -186,5 +186,47 @@ def sweep_phase(phase: str, cfgs, base: GroupedTiling, p: MoEProblem, index: np.
     return table, best
 
 
+# ------------------------------------------------------------------------------ expert gradients of k microbatches
+def time_wgrad_sum(p: MoEProblem, t: GroupedTiling, parts: int, reps: int = 4) -> dict:
+    """Both GEMM shapes: the expert weight gradients of `parts` microbatches (each on its own routing) added to an
+    fp32 total, as the accumulating train step does, two ways: `per_microbatch` = one wgrad kernel per microbatch
+    (gradient in bf16) and one fp32 pass adding them to the total; `summed` = grouped_wgrad_sum (one kernel, one fp32
+    register sum, added in place). The total is a loop carry over `reps` updates, as in the step's scan (in-place
+    updates); ms per update and the relative difference of the two totals."""
+    interpret = _platform.interpret()
+    out = {}
+    for name, d_in, d_out in _gemm_shapes(p):
+        ins = [_kernel_inputs(dataclasses.replace(p, seed=p.seed + i), routing(dataclasses.replace(p, seed=p.seed + i)),
+                              t.block_rows, d_in, d_out) for i in range(parts)]
+        dys, xs, groups = [a["dy"] for a in ins], [a["x"] for a in ins], [a["tile_group"] for a in ins]
+        total = jnp.zeros((p.experts, d_out, d_in), jnp.float32)
+
+        def per_microbatch(total, dys, xs, groups):
+            def update(_, total):
+                for dy, x, g in zip(dys, xs, groups):
+                    start, count = group_tiles(g, p.experts)
+                    total = total + kern.group_wgrad(
+                        [dy], [x], start[None], count[None], block_rows=t.block_rows, block_n=t.wgrad_n,
+                        block_k=t.wgrad_k, rows_step=t.wgrad_rows, num_warps=t.wgrad_warps,
+                        num_stages=t.wgrad_stages, interpret=interpret).astype(jnp.float32)
+                return total
+            return jax.lax.fori_loop(0, reps, update, total)
+
+        def summed(total, dys, xs, groups):
+            return jax.lax.fori_loop(
+                0, reps, lambda _, tot: grouped_wgrad_sum(tot, dys, xs, groups, tiling=t, interpret=interpret), total)
+
+        row = {}
+        for label, fn in (("per_microbatch", per_microbatch), ("summed", summed)):
+            f = jax.jit(fn)
+            row[f"{label}_ms"] = time_call(f, total, dys, xs, groups, reps=5, calls=2) / reps * 1e3
+            row[f"{label}_total"] = f(total, dys, xs, groups)
+        a, b = (np.asarray(row.pop(f"{k}_total"), np.float64) for k in ("per_microbatch", "summed"))
+        row["rel_diff"] = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+        row["speedup"] = row["per_microbatch_ms"] / row["summed_ms"]
+        out[name] = row
+    return out
+
+
 __all__ = ["MoEProblem", "block_flops", "block_fns", "dense_fns", "make_arrays", "parity", "routed_tokens",
-           "routing", "sweep_phase", "time_block"]
+           "routing", "sweep_phase", "time_block", "time_wgrad_sum"]

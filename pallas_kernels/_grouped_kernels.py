@@ -98,43 +98,63 @@ def rows_matmul(x, w, tile_group, *, transpose_w: bool, block_n: int, block_k: i
 
 
 # ------------------------------------------------------------------------------------------------------ wgrad
-def _wgrad_kernel(start_ref, count_ref, dy_ref, x_ref, o_ref, *, bm, rows_step, bn, bk, num_n_tiles, num_k_tiles,
-                  precision):
+def _wgrad_kernel(start_ref, count_ref, *refs, parts, bm, rows_step, bn, bk, num_n_tiles, num_k_tiles, precision,
+                  has_base):
+    """dw[e] tile = (base[e] tile +) the sum over `parts` (dy, x) pairs of dy[rows of e]ᵀ x[rows of e], one fp32
+    register sum for all of them: a part's loop runs over its layout's tiles of expert e (start/count row `part`)."""
+    dy_refs, x_refs = refs[:parts], refs[parts:2 * parts]
+    base_ref, o_ref = (refs[2 * parts], refs[2 * parts + 1]) if has_base else (None, refs[2 * parts])
     p = pl.program_id(0)
     per_group = num_n_tiles * num_k_tiles
     e = lax.div(p, per_group)
     within = lax.rem(p, per_group)  # k fastest: neighbouring programs share the same dy column block
     cols = pl.ds(pl.multiple_of(lax.div(within, num_k_tiles) * bn, bn), bn)
     ks = pl.ds(pl.multiple_of(lax.rem(within, num_k_tiles) * bk, bk), bk)
-    first_row = start_ref[e] * bm
-    steps = count_ref[e] * (bm // rows_step)  # dynamic trip count: this group's rows only; 0 for an empty group
+    acc = jnp.zeros((bn, bk), F32)
+    for part in range(parts):
+        first_row = start_ref[part, e] * bm
+        steps = count_ref[part, e] * (bm // rows_step)  # dynamic trip count: this group's rows only; 0 if empty
 
-    def step(i, acc):
-        r = pl.ds(pl.multiple_of(first_row + i * rows_step, rows_step), rows_step)
-        return acc + lax.dot_general(dy_ref[r, cols], x_ref[r, ks], _TN, precision=precision,
-                                     preferred_element_type=F32)
+        def step(i, acc, dy_ref=dy_refs[part], x_ref=x_refs[part], first_row=first_row):
+            r = pl.ds(pl.multiple_of(first_row + i * rows_step, rows_step), rows_step)
+            return acc + lax.dot_general(dy_ref[r, cols], x_ref[r, ks], _TN, precision=precision,
+                                         preferred_element_type=F32)
 
-    acc = lax.fori_loop(0, steps, step, jnp.zeros((bn, bk), F32))
+        acc = lax.fori_loop(0, steps, step, acc)
+    if has_base:
+        acc = acc + base_ref[e, cols, ks]
     o_ref[e, cols, ks] = acc.astype(o_ref.dtype)
 
 
-def group_wgrad(dy, x, group_tile_start, group_tile_count, *, block_rows: int, block_n: int, block_k: int,
-                rows_step: int, num_warps: int, num_stages: int, interpret: bool):
-    """dy [M, out], x [M, in], per-group first tile and tile count [E] -> dw [E, out, in] in x.dtype."""
-    M, n_out = dy.shape
-    K = x.shape[1]
-    E = group_tile_start.shape[0]
-    if (x.shape[0] != M or M % block_rows or block_rows % rows_step or n_out % block_n or K % block_k):
-        raise ValueError(f"group_wgrad: dy {dy.shape}, x {x.shape}, rows {block_rows}/{rows_step}, blocks "
-                         f"({block_n}, {block_k}) do not tile")
+def group_wgrad(dys, xs, group_tile_start, group_tile_count, *, block_rows: int, block_n: int, block_k: int,
+                rows_step: int, num_warps: int, num_stages: int, interpret: bool, base=None):
+    """dys [M, out] and xs [M, in] (one pair per part, each on its own layout), per-part first tile and tile count of
+    every group [parts, E] -> dw [E, out, in] = sum over parts of dy[rows of e]ᵀ x[rows of e], in x's dtype; with
+    base [E, out, in] fp32: base + that sum, in fp32, written in place of base (its buffer is donated)."""
+    dys, xs = tuple(dys), tuple(xs)
+    parts = len(dys)
+    M, n_out = dys[0].shape
+    K = xs[0].shape[1]
+    E = group_tile_start.shape[1]
+    shapes_ok = (len(xs) == parts and all(d.shape == (M, n_out) for d in dys) and all(x.shape == (M, K) for x in xs)
+                 and group_tile_start.shape == group_tile_count.shape == (parts, E))
+    if not shapes_ok or M % block_rows or block_rows % rows_step or n_out % block_n or K % block_k:
+        raise ValueError(f"group_wgrad: dy {[d.shape for d in dys]}, x {[x.shape for x in xs]}, starts "
+                         f"{group_tile_start.shape}, rows {block_rows}/{rows_step}, blocks ({block_n}, {block_k}) do "
+                         f"not tile")
+    if base is not None and (base.shape != (E, n_out, K) or base.dtype != F32):
+        raise ValueError(f"group_wgrad: base must be fp32 [{E}, {n_out}, {K}], got {base.dtype} {base.shape}")
     kernel = functools.partial(
-        _wgrad_kernel, bm=block_rows, rows_step=rows_step, bn=block_n, bk=block_k, num_n_tiles=n_out // block_n,
-        num_k_tiles=K // block_k, precision=_platform.dot_precision(x.dtype))
+        _wgrad_kernel, parts=parts, bm=block_rows, rows_step=rows_step, bn=block_n, bk=block_k,
+        num_n_tiles=n_out // block_n, num_k_tiles=K // block_k, precision=_platform.dot_precision(xs[0].dtype),
+        has_base=base is not None)
+    args = [group_tile_start, group_tile_count, *dys, *xs] + ([] if base is None else [base])
     return pl.pallas_call(
         kernel,
-        out_shape=_vma.out_struct((E, n_out, K), x.dtype, x),
+        out_shape=_vma.out_struct((E, n_out, K), xs[0].dtype if base is None else F32, xs[0]),
         grid=(E * (n_out // block_n) * (K // block_k),),
+        input_output_aliases={} if base is None else {len(args) - 1: 0},
         compiler_params=_platform.compiler_params(num_warps, num_stages),
         interpret=interpret,
-        name="grouped_matmul_wgrad",
-    )(group_tile_start, group_tile_count, dy, x)
+        name="grouped_matmul_wgrad" if base is None else "grouped_matmul_wgrad_sum",
+    )(*args)

@@ -127,8 +127,8 @@ def _dgrad(dy, w, tile_group, t: GroupedTiling, interpret: bool):
 
 def _wgrad(dy, x, tile_group, num_groups: int, t: GroupedTiling, interpret: bool):
     start, count = group_tiles(tile_group, num_groups)
-    return kern.group_wgrad(dy, x, start, count, block_rows=x.shape[0] // tile_group.shape[0], block_n=t.wgrad_n,
-                            block_k=t.wgrad_k, rows_step=t.wgrad_rows, num_warps=t.wgrad_warps,
+    return kern.group_wgrad([dy], [x], start[None], count[None], block_rows=x.shape[0] // tile_group.shape[0],
+                            block_n=t.wgrad_n, block_k=t.wgrad_k, rows_step=t.wgrad_rows, num_warps=t.wgrad_warps,
                             num_stages=t.wgrad_stages, interpret=interpret)
 
 
@@ -184,4 +184,35 @@ def grouped_matmul(x, w, tile_group, *, tiling: GroupedTiling | None = None, int
     return y[:, :n_out]
 
 
-__all__ = ["GroupedTiling", "default_tiling", "group_tiles", "grouped_matmul"]
+def grouped_wgrad_sum(total, dys, xs, tile_groups, *, tiling: GroupedTiling | None = None,
+                      interpret: bool | None = None):
+    """total [E, out, in] fp32 + sum over parts i of the weight gradient of grouped_matmul(xs[i], w, tile_groups[i])
+    under the output gradient dys[i] (dy[rows of e]ᵀ x[rows of e] per expert e), every part on its own layout.
+
+    One kernel for all parts (one fp32 register sum per output tile, added to total in place: total's buffer is
+    donated when the caller's jit allows): k microbatches' expert gradients without k gradients in the compute
+    dtype written and read back. xs / dys share one shape each (padded rows of one layout size)."""
+    dys, xs, tile_groups = tuple(dys), tuple(xs), tuple(tile_groups)
+    if not dys or not (len(dys) == len(xs) == len(tile_groups)):
+        raise ValueError(f"grouped_wgrad_sum: needs as many dys, xs and tile_groups (>= 1), got {len(dys)}, "
+                         f"{len(xs)}, {len(tile_groups)}")
+    E, n_out, n_in = total.shape
+    if any(x.shape[1] != n_in for x in xs) or any(d.shape[1] != n_out for d in dys):
+        raise ValueError(f"grouped_wgrad_sum: total {total.shape} does not match x {xs[0].shape} / dy {dys[0].shape}")
+    t = (tiling or default_tiling(xs[0].dtype)).fitted(n_in, n_out)
+    bm = xs[0].shape[0] // tile_groups[0].shape[0]
+    t = dataclasses.replace(t, wgrad_rows=math.gcd(t.wgrad_rows, bm))
+    interpret = _platform.interpret() if interpret is None else interpret
+    if n_in % t.wgrad_k or n_out % t.wgrad_n:
+        raise ValueError(f"grouped_wgrad_sum: [{n_out}, {n_in}] is not whole ({t.wgrad_n}, {t.wgrad_k}) tiles")
+    tiles = [group_tiles(tg.astype(jnp.int32), E) for tg in tile_groups]
+    start = jnp.stack([s for s, _ in tiles])
+    count = jnp.stack([c for _, c in tiles])
+    args = _vma.vary_to_union(total.astype(jnp.float32), start, count, *dys, *xs)
+    total, start, count, rest = args[0], args[1], args[2], args[3:]
+    return kern.group_wgrad(rest[:len(dys)], rest[len(dys):], start, count, block_rows=bm, block_n=t.wgrad_n,
+                            block_k=t.wgrad_k, rows_step=t.wgrad_rows, num_warps=t.wgrad_warps,
+                            num_stages=t.wgrad_stages, interpret=interpret, base=total)
+
+
+__all__ = ["GroupedTiling", "default_tiling", "group_tiles", "grouped_matmul", "grouped_wgrad_sum"]

@@ -17,6 +17,7 @@ from pallas_kernels.grouped_matmul import (
     default_tiling,
     group_tiles,
     grouped_matmul,
+    grouped_wgrad_sum,
 )
 from zaya_jax import config as zc
 from zaya_jax.model import ZayaForCausalLM
@@ -164,13 +165,38 @@ def test_wgrad_kernel_sums_each_groups_rows_and_zeroes_empty_groups():
     start, count = group_tiles(tile_group, E)
     dy = normal(rng, (5 * bm, d_out), jnp.float32)
     x = normal(rng, (5 * bm, d_in), jnp.float32)
-    got = kern.group_wgrad(dy, x, start, count, block_rows=bm, block_n=16, block_k=16, rows_step=8 * 2,
-                           num_warps=4, num_stages=1, interpret=True)
+    got = kern.group_wgrad([dy], [x], start[None], count[None], block_rows=bm, block_n=16, block_k=16,
+                           rows_step=8 * 2, num_warps=4, num_stages=1, interpret=True)
     g = np.repeat(np.asarray(tile_group), bm)
     dy64, x64 = np.asarray(dy, np.float64), np.asarray(x, np.float64)
     want = np.stack([dy64[g == e].T @ x64[g == e] for e in range(E)])
     assert rel(got, want) <= 1e-6, f"seed {seed}"
     np.testing.assert_array_equal(np.asarray(got)[[1, 3]], 0.0)
+
+
+def test_wgrad_sum_adds_every_parts_expert_gradients_to_the_fp32_total():
+    """Three microbatches on their own routings (one with an expert none of the others use, one all skipped): the
+    summed kernel adds to `total` what the per-microbatch weight gradients of grouped_matmul add up to."""
+    rng, seed = rng_and_seed()
+    E, n, d_in, d_out = 4, 40, 32, 48
+    total = normal(rng, (E, d_out, d_in), jnp.float32)
+    xs, dys, groups, want = [], [], [], np.asarray(total, np.float64)
+    for kind in ("mixed", "one_expert", "all_skip"):
+        lay = gmm.tile_layout(routing(rng, kind, n, E), E, SMALL.block_rows)
+        x = gmm.gather_rows(normal(rng, (n, d_in), jnp.bfloat16), lay.src, lay.dst)
+        dy = gmm.gather_rows(normal(rng, (n, d_out), jnp.bfloat16), lay.src, lay.dst)
+        w = jnp.zeros((E, d_out, d_in), jnp.bfloat16)
+        _, pull = jax.vjp(lambda w: grouped_matmul(x, w, lay.tile_group, tiling=SMALL, interpret=True), w)
+        want = want + np.asarray(pull(dy)[0], np.float64)  # (each rounded to bf16; the sum below is not)
+        xs.append(x), dys.append(dy), groups.append(lay.tile_group)
+    got = grouped_wgrad_sum(total, dys, xs, groups, tiling=SMALL, interpret=True)
+    assert got.dtype == jnp.float32 and got.shape == total.shape
+    assert rel(got, want) <= 1e-2, f"seed {seed}"
+    exact = np.asarray(total, np.float64) + sum(
+        np.stack([np.asarray(d, np.float64)[np.repeat(np.asarray(g), SMALL.block_rows) == e].T
+                  @ np.asarray(x, np.float64)[np.repeat(np.asarray(g), SMALL.block_rows) == e] for e in range(E)])
+        for d, x, g in zip(dys, xs, groups))
+    assert rel(got, exact) <= 1e-6, f"seed {seed}"  # one fp32 sum: no per-microbatch rounding
 
 
 def test_bad_inputs_raise_clear_errors():
@@ -182,6 +208,9 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="compute dtype"):
         grouped_matmul(x, jnp.zeros((2, 4, 8), jnp.bfloat16), jnp.zeros((2,), jnp.int32), tiling=SMALL,
                        interpret=True)
+    with pytest.raises(ValueError, match="as many dys"):
+        grouped_wgrad_sum(jnp.zeros((2, 4, 8)), [jnp.zeros((32, 4))], [], [jnp.zeros((2,), jnp.int32)], tiling=SMALL,
+                          interpret=True)
     with pytest.raises(ValueError, match="unknown impl"):
         gmm.grouped_matmul(x, jnp.zeros((2, 4, 8)), jnp.zeros((2,), jnp.int32), impl="cuda")
 

@@ -36,6 +36,11 @@ def _key(entry) -> str:
     return str(getattr(entry, "key", getattr(entry, "name", entry)))
 
 
+def key_path(path) -> tuple[str, ...]:
+    """A jax key path of the parameter tree as its tuple of names (the form of COMPUTE_DTYPE_LEAVES)."""
+    return tuple(_key(e) for e in path)
+
+
 def compute_view(params, compute_dtype=None, *, per_layer: bool = False):
     """params with the COMPUTE_DTYPE_LEAVES cast to compute_dtype (None: no cast; others unchanged). per_layer (the
     unrolled model, scan_layers=False): also hold every stacked layer leaf as its per-layer arrays (LayerSlices),
@@ -45,7 +50,7 @@ def compute_view(params, compute_dtype=None, *, per_layer: bool = False):
     wanted = set(COMPUTE_DTYPE_LEAVES)
 
     def view(path, leaf):
-        keys = tuple(_key(e) for e in path)
+        keys = key_path(path)
         cast = dtype is not None and keys in wanted and jnp.issubdtype(leaf.dtype, jnp.floating)
         if per_layer and keys[:2] == LAYERS and jnp.issubdtype(leaf.dtype, jnp.inexact):
             return LayerSlices(leaf[i].astype(dtype) if cast else leaf[i] for i in range(leaf.shape[0]))

@@ -33,8 +33,14 @@ class Experts(nnx.Module):
     def __call__(self, x, index, weight):
         """x [N, D] (compute dtype), index [N] in [0, E] (E = skip), weight [N] fp32 -> [N, D]."""
         cfg = self.cfg
-        return expert_block(x, index, weight, self.gate_up_proj[...].astype(x.dtype),
-                            self.down_proj[...].astype(x.dtype), activation(cfg.hidden_act), impl=cfg.moe_impl)
+        return expert_block(x, index, weight, _in_dtype(self.gate_up_proj, x.dtype), _in_dtype(self.down_proj, x.dtype),
+                            activation(cfg.hidden_act), impl=cfg.moe_impl)
+
+
+def _in_dtype(param, dtype):
+    """The weight in the compute dtype; a DeferredWgrad (the accumulating step's view) is already in it."""
+    w = param.get_value()
+    return w if isinstance(w, gmm.DeferredWgrad) else w.astype(dtype)
 
 
 def expert_block(x, index, weight, w_gu, w_down, act, *, impl: str, tiling=None):
@@ -46,6 +52,8 @@ def expert_block(x, index, weight, w_gu, w_down, act, *, impl: str, tiling=None)
     weight = jnp.where(skip, 0.0, weight).astype(x.dtype)
     if impl == "pallas":
         out = _pallas(x, index, w_gu, w_down, act, tiling)
+    elif isinstance(w_gu, gmm.DeferredWgrad) or isinstance(w_down, gmm.DeferredWgrad):
+        raise ValueError(f"deferred expert weight gradients need moe_impl 'pallas' (a tile layout), not {impl!r}")
     elif impl in ("ragged", "dense"):
         out = (_ragged if impl == "ragged" else _dense)(x, index, w_gu, w_down, act)
     else:

@@ -15,10 +15,17 @@ activation-sized scatter appears in the forward or the backward.
 grouped_matmul(x [Np, in], w [E, out, in], tile_group) -> [Np, out]: y[tile t] = x[tile t] @ w[g(t)]ᵀ, zero rows for
 idle tiles; impl 'xla' is the jnp reference below (tests, small shapes), 'pallas' the kernels in
 pallas_kernels.grouped_matmul (Triton on GPU, interpret mode on the CPU).
+
+Deferred weight gradient (`DeferredWgrad`, for gradient accumulation): w may come wrapped with three zero "taps" that
+the forward ignores. Differentiated, the weight's cotangent is left zero and the taps' cotangents carry what its
+gradient needs instead: the layer's input rows x, its output gradient dy and the tile -> expert map. The caller adds
+the weight gradients of several microbatches to an fp32 sum with one kernel (`grouped_wgrad_sum`): no per-microbatch
+gradient in the compute dtype written, read back and added.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -95,14 +102,84 @@ def grouped_matmul_reference(x, w, tile_group):
     return y.reshape(x.shape[0], w.shape[1])
 
 
+class DeferredWgrad(NamedTuple):
+    """An expert weight whose gradient is deferred (see the module doc). The taps are zeros whose cotangents are
+    x [Np, in], dy [Np, out] (the compute dtype) and the tile -> expert map [T] (as fp32: exact small integers)."""
+    weight: jax.Array  # [E, out, in]
+    x: jax.Array
+    dy: jax.Array
+    tiles: jax.Array
+
+    @property
+    def shape(self):
+        return self.weight.shape
+
+    @property
+    def dtype(self):
+        return self.weight.dtype
+
+
+def defer_wgrad(weight, num_tokens: int, block_rows: int, dtype=None) -> DeferredWgrad:
+    """weight [E, out, in] with zero taps for a layer of num_tokens tokens on `block_rows`-row tiles."""
+    E, n_out, n_in = weight.shape
+    rows = padded_rows(num_tokens, E, block_rows)
+    dtype = weight.dtype if dtype is None else dtype
+    return DeferredWgrad(weight, jnp.zeros((rows, n_in), dtype), jnp.zeros((rows, n_out), dtype),
+                         jnp.zeros((rows // block_rows,), jnp.float32))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _deferred(x, w, tile_group, tap_x, tap_dy, tap_tiles, impl, tiling):
+    return grouped_matmul(x, w, tile_group, impl=impl, tiling=tiling)
+
+
+def _deferred_fwd(x, w, tile_group, tap_x, tap_dy, tap_tiles, impl, tiling):
+    return _deferred(x, w, tile_group, tap_x, tap_dy, tap_tiles, impl, tiling), (x, w, tile_group)
+
+
+def _deferred_bwd(impl, tiling, res, dy):
+    x, w, tile_group = res
+    # the data gradient alone: the weight-gradient kernel of this VJP has no consumer and is removed by XLA
+    _, pull = jax.vjp(lambda x_: grouped_matmul(x_, w, tile_group, impl=impl, tiling=tiling), x)
+    dy = dy.astype(x.dtype)
+    return pull(dy)[0], jnp.zeros_like(w), None, x, dy, tile_group.astype(jnp.float32)
+
+
+_deferred.defvjp(_deferred_fwd, _deferred_bwd)
+
+
 def grouped_matmul(x, w, tile_group, *, impl: str = "xla", tiling=None):
-    """`tiling` (a pallas_kernels.grouped_matmul.GroupedTiling, 'pallas' only) overrides the default launch."""
+    """`tiling` (a pallas_kernels.grouped_matmul.GroupedTiling, 'pallas' only) overrides the default launch. w may be
+    a DeferredWgrad (its gradient then comes through the taps)."""
+    if isinstance(w, DeferredWgrad):
+        if w.x.shape != x.shape or w.dy.shape != (x.shape[0], w.weight.shape[1]) or w.tiles.shape != tile_group.shape:
+            raise ValueError(f"grouped_matmul: the deferred-gradient taps x {w.x.shape}, dy {w.dy.shape}, tiles "
+                             f"{w.tiles.shape} do not match this layout (x {x.shape}, {tile_group.shape[0]} tiles)")
+        return _deferred(x, w.weight, tile_group, w.x, w.dy, w.tiles, impl, tiling)
     if impl == "xla":
         return grouped_matmul_reference(x, w, tile_group)
     if impl == "pallas":
         from pallas_kernels import grouped_matmul as k
         return k.grouped_matmul(x, w, tile_group, tiling=tiling)
     raise ValueError(f"grouped_matmul: unknown impl {impl!r} (use 'xla' or 'pallas')")
+
+
+def grouped_wgrad_sum(total, dys, xs, tile_groups, *, impl: str = "xla", tiling=None):
+    """total [E, out, in] fp32 + the weight gradients of grouped_matmul(xs[i], w, tile_groups[i]) under dys[i], summed
+    over i in fp32 ('pallas': one kernel adding them in place; 'xla': the per-tile jnp reference)."""
+    if impl == "pallas":
+        from pallas_kernels import grouped_matmul as k
+        return k.grouped_wgrad_sum(total, dys, xs, tile_groups, tiling=tiling)
+    if impl != "xla":
+        raise ValueError(f"grouped_wgrad_sum: unknown impl {impl!r} (use 'xla' or 'pallas')")
+    E = total.shape[0]
+    for dy, x, tg in zip(dys, xs, tile_groups, strict=True):
+        T = tg.shape[0]
+        onehot = jax.nn.one_hot(tg.astype(jnp.int32), E, dtype=jnp.float32)  # idle tiles (E): all-zero rows
+        per_tile = jnp.einsum("tmo,tmi->toi", dy.reshape(T, -1, dy.shape[1]), x.reshape(T, -1, x.shape[1]),
+                              preferred_element_type=jnp.float32)
+        total = total + jnp.einsum("te,toi->eoi", onehot, per_tile)
+    return total
 
 
 def block_rows(dtype, *, tiling=None) -> int:
@@ -114,5 +191,5 @@ def block_rows(dtype, *, tiling=None) -> int:
     return k.default_tiling(dtype).block_rows
 
 
-__all__ = ["TileLayout", "block_rows", "gather_rows", "grouped_matmul", "grouped_matmul_reference", "padded_rows",
-           "tile_layout"]
+__all__ = ["DeferredWgrad", "TileLayout", "block_rows", "defer_wgrad", "gather_rows", "grouped_matmul",
+           "grouped_matmul_reference", "grouped_wgrad_sum", "padded_rows", "tile_layout"]

@@ -74,7 +74,8 @@ def build_fn(v: Variant, cfg, tx):
                                                     compute_dtype=cfg.dtype if v.cast_weights_once else None,
                                                     per_layer_view=v.cast_weights_once and v.per_layer_view
                                                     and not cfg.scan_layers,
-                                                    grads_per_pass=v.grads_per_pass),
+                                                    grads_per_pass=v.grads_per_pass,
+                                                    defer_expert_wgrad=v.defer_expert_wgrad),
                        donate_argnums=0)
     loss_fn = make_loss_fn(graphdef, False, ce_chunk_tokens=v.ce_chunk)
     if v.kind == "fwd":

@@ -31,6 +31,7 @@ class Variant:
     cast_weights_once: bool = True  # kind 'accum': train.cast_weights_once (model/compute_view.py)
     per_layer_view: bool = True  # kind 'accum', unrolled layers: the view sliced per layer once per step
     grads_per_pass: int = 1  # kind 'accum': microbatch gradients added to the fp32 sum in one pass (train option)
+    defer_expert_wgrad: bool = False  # kind 'accum': expert weight gradients formed once per pass (train option)
     moe_tiling: tuple[tuple[str, int], ...] = ()  # GroupedTiling fields replaced while tracing (moe_impl 'pallas')
     max_steps: int | None = None  # cap on timed calls (long programs)
     note: str = ""
@@ -158,6 +159,9 @@ def extra_variants(batch: int, seq: int, gpu: bool) -> list[Variant]:
         *(r(accum16, name=f"accum16_grads_per_pass{m}", grads_per_pass=m,
             note=f"accum16 with the gradients of {m} microbatch(es) added to the fp32 sum in one pass")
           for m in (1, 2, 8)),
+        r(accum16, name="accum16_defer_wgrad", defer_expert_wgrad=True,
+          note="accum16 with the expert weight gradients of each pass formed after it, added to the fp32 sum by one "
+               "kernel (model/deferred_wgrad.py)"),
         r(accum16, name="accum16_cudnn_attn", attention_impl="cudnn" if gpu else "xla",
           note="accum16 with cuDNN's attention"),
         r(accum16, name="accum16_xla_conv", conv_impl="xla",

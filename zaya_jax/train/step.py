@@ -19,9 +19,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from zaya_jax.model import deferred_wgrad
 from zaya_jax.model.compute_view import compute_view
 from zaya_jax.model.layer_stack import stack_layer_slices
 from zaya_jax.model.loss import chunked_head_cross_entropy, token_cross_entropy_terms
+from zaya_jax.ops import grouped_matmul as gmm
 from zaya_jax.optim.balancing import BalancerConfig, update_biases
 from zaya_jax.parallel.context import ContextParallel
 
@@ -115,7 +117,8 @@ def _group_size(k: int, wanted: int) -> int:
 
 def make_accumulating_train_step(graphdef, tx: optax.GradientTransformation, balancer: BalancerConfig, *,
                                  reset_at_documents: bool = False, ce_chunk_tokens: int | None = None, grad_fn=None,
-                                 compute_dtype=None, per_layer_view: bool = False, grads_per_pass: int = 1):
+                                 compute_dtype=None, per_layer_view: bool = False, grads_per_pass: int = 1,
+                                 defer_expert_wgrad: bool = False):
     """train_step(state, batches) -> (state, metrics): one optimizer step over the k microbatches of `batches`
     (every field [k, rows, ...]; k is static, so each k compiles its own program). grad_fn(params, model_state,
     batch) -> ((loss, expert counts), grads) replaces value_and_grad of the model loss (data/context parallelism in
@@ -129,12 +132,19 @@ def make_accumulating_train_step(graphdef, tx: optax.GradientTransformation, bal
     grads_per_pass: each loop iteration runs this many microbatches (the largest divisor of k up to it) and adds
     their gradients into the fp32 sum in one pass, in microbatch order (the same sums): one read and write of the
     sum per group instead of per microbatch, for holding that many gradients minus one in the compute dtype.
+    defer_expert_wgrad (with per_layer_view, the default grad_fn and moe_impl 'pallas'): the expert weights' gradients
+    of a group's microbatches are formed after it, added to the fp32 sum by one kernel per weight
+    (model/deferred_wgrad.py: the same sum without their per-microbatch rounding to the compute dtype).
 
     Metrics: loss and the load figures are means over the microbatches (each microbatch's loss is its token mean,
     its load figures the extremes over layers); grad_norm is the norm of the mean gradient the optimizer gets."""
     if grads_per_pass < 1:
         raise ValueError(f"grads_per_pass={grads_per_pass} must be >= 1")
     custom_grad_fn = grad_fn is not None
+    if defer_expert_wgrad and (custom_grad_fn or not per_layer_view or compute_dtype is None):
+        raise ValueError("defer_expert_wgrad needs the per-layer view in the compute dtype (per_layer_view and "
+                         "compute_dtype, unrolled layers) and the default gradient function (not a data/context "
+                         "parallel grad_fn)")
     grad_fn = grad_fn or jax.value_and_grad(make_loss_fn(graphdef, reset_at_documents,
                                                          ce_chunk_tokens=ce_chunk_tokens), has_aux=True)
 
@@ -156,6 +166,10 @@ def make_accumulating_train_step(graphdef, tx: optax.GradientTransformation, bal
                 params, state["model_state"], state["balancer"], jax.tree.map(lambda x: x[0], batches))
         else:
             view = compute_view(params, compute_dtype, per_layer=per_layer_view)  # the same leaves when neither
+            grad_view = view
+            if defer_expert_wgrad:
+                tokens = batches["inputs"].shape[1] * batches["inputs"].shape[2]
+                grad_view = deferred_wgrad.defer_expert_wgrads(view, tokens, gmm.block_rows(compute_dtype))
 
             m = _group_size(k, grads_per_pass)
 
@@ -164,10 +178,13 @@ def make_accumulating_train_step(graphdef, tx: optax.GradientTransformation, bal
                 group_grads, group_metrics = [], []
                 for j in range(m):
                     grads, model_state, balancer_state, metrics = microbatch(
-                        view, model_state, balancer_state, jax.tree.map(lambda x: x[j], group))
+                        grad_view, model_state, balancer_state, jax.tree.map(lambda x: x[j], group))
                     group_grads.append(grads)
                     group_metrics.append(metrics)
-                total = jax.tree.map(_accumulate, total, *group_grads)
+                if defer_expert_wgrad:
+                    total = deferred_wgrad.accumulate(total, group_grads, _accumulate, impl="pallas")
+                else:
+                    total = jax.tree.map(_accumulate, total, *group_grads)
                 return (total, model_state, balancer_state), jax.tree.map(lambda *v: jnp.stack(v), *group_metrics)
 
             # the gradients' structure: per layer from value_and_grad at a per-layer view, stacked from a grad_fn
