@@ -32,7 +32,9 @@ NORM_FWD = [NormLaunch(1, 8, 4), NormLaunch(1, 16, 2), NormLaunch(2, 16, 2), Nor
 NORM_BWD = [NormLaunch(1, 16, 1), NormLaunch(1, 16, 2), NormLaunch(1, 8, 4)]
 # CCA q/k mixing tiles: (head rows, forward warps, backward (A) warps and stages), (depthwise backward rows, warps)
 CONV_TILES = [((64, 4, 8, 2), (64, 8)), ((64, 4, 4, 2), (64, 8)), ((64, 4, 8, 3), (64, 8)), ((64, 4, 8, 1), (128, 8)),
-              ((128, 4, 8, 2), (64, 8))]
+              ((128, 4, 8, 2), (64, 8)),
+              # then backward (A) programs per compute unit (default 2): more programs, fewer row tiles each
+              ((64, 4, 8, 1), (64, 8), 4), ((64, 4, 8, 1), (64, 8), 8), ((64, 4, 8, 2), (64, 8), 8)]
 PARTS = ("norms", "attention", "cca_conv")
 
 

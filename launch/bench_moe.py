@@ -66,6 +66,12 @@ WGRAD_CFGS = [dict(),
               dict(wgrad_rows=128, wgrad_stages=2),
               dict(wgrad_rows=128, wgrad_stages=3),
               dict(wgrad_rows=128, wgrad_k=64, wgrad_stages=3)]
+# the summed wgrad kernel (k microbatches' loops per program) around the wgrad defaults
+WGRAD_SUM_CFGS = [dict(wgrad_rows=128, wgrad_stages=3),
+                  dict(wgrad_n=256, wgrad_k=128),
+                  dict(wgrad_stages=4, wgrad_rows=32),
+                  dict(wgrad_warps=4),
+                  dict(wgrad_n=128, wgrad_k=128, wgrad_stages=4)]
 # --quick / the CPU (interpret mode): two small launches per kernel exercise the same code path
 QUICK_FWD = [dict(), dict(fwd_n=32)]
 QUICK_DGRAD = [dict(), dict(dgrad_k=32)]
@@ -158,11 +164,14 @@ def main():
 
     if args.wgrad_sum:
         print(f"expert gradients of {args.wgrad_sum} microbatches into an fp32 total", flush=True)
-        report["wgrad_sum"] = dict(parts=args.wgrad_sum, **moe.time_wgrad_sum(p, base, args.wgrad_sum))
+        report["wgrad_sum"] = dict(parts=args.wgrad_sum, **moe.time_wgrad_sum(
+            p, base, args.wgrad_sum, sweep=QUICK_WGRAD if quick else WGRAD_SUM_CFGS))
         for name, r in report["wgrad_sum"].items():
             if isinstance(r, dict):
                 print(f"  {name:8s} per microbatch {r['per_microbatch_ms']:.3f} ms, summed {r['summed_ms']:.3f} ms "
                       f"({r['speedup']:.2f}x), rel diff {r['rel_diff']:.1e}", flush=True)
+                for row in r["summed_sweep"]:
+                    print(f"    summed {row}", flush=True)
         save()
         if args.only_wgrad_sum:
             return

@@ -166,15 +166,15 @@ def bench_cca_conv(shapes, copy_tbps: float, t0: int = 2, t1: int = 2, sweep=())
                 entry[f"{impl}_{phase}_vs_copy"] = nbytes[phase] / t / 1e12 / copy_tbps
         for phase in ("fwd", "fwdbwd"):
             entry[f"{phase}_speedup_vs_xla"] = entry[f"xla_{phase}_ms"] / entry[f"pallas_{phase}_ms"]
-        if sweep:  # other tiles of the three kernels, end to end (cca_conv.tiles_override's two tuples)
+        if sweep:  # other tiles of the three kernels, end to end (cca_conv.tiles_override's arguments)
             entry["sweep"] = []
-            for head, depthwise in sweep:
-                with cca_conv_kernels.tiles_override(head, depthwise):
+            for head, depthwise, *per_cu in sweep:
+                with cca_conv_kernels.tiles_override(head, depthwise, *per_cu):
                     fwd, fwd_bwd = _cca_conv_fns("pallas", heads, same)
                     times = {"fwd_ms": time_call(fwd, xp, w1, b1, w2, b2) * 1e3,
                              "fwdbwd_ms": time_call(fwd_bwd, xp, w1, b1, w2, b2, dout) * 1e3}
-                entry["sweep"].append(dict(head=head, depthwise=depthwise, **times))
-                print(f"    tiles head={head} depthwise={depthwise}: fwd {times['fwd_ms']:.3f} ms, fwd+bwd "
+                entry["sweep"].append(dict(head=head, depthwise=depthwise, programs_per_cu=per_cu, **times))
+                print(f"    tiles head={head} depthwise={depthwise} programs/CU {per_cu}: fwd {times['fwd_ms']:.3f} ms, fwd+bwd "
                       f"{times['fwdbwd_ms']:.3f} ms", flush=True)
         e = entry
         print(f"  cca qk mix B={B} T={T} heads={heads}+{kv}x{d} documents={documents}: fwd {e['pallas_fwd_ms']:.3f} ms "

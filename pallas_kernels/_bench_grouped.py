@@ -187,12 +187,13 @@ def sweep_phase(phase: str, cfgs, base: GroupedTiling, p: MoEProblem, index: np.
 
 
 # ------------------------------------------------------------------------------ expert gradients of k microbatches
-def time_wgrad_sum(p: MoEProblem, t: GroupedTiling, parts: int, reps: int = 4) -> dict:
+def time_wgrad_sum(p: MoEProblem, t: GroupedTiling, parts: int, reps: int = 4, sweep=()) -> dict:
     """Both GEMM shapes: the expert weight gradients of `parts` microbatches (each on its own routing) added to an
     fp32 total, as the accumulating train step does, two ways: `per_microbatch` = one wgrad kernel per microbatch
     (gradient in bf16) and one fp32 pass adding them to the total; `summed` = grouped_wgrad_sum (one kernel, one fp32
     register sum, added in place). The total is a loop carry over `reps` updates, as in the step's scan (in-place
-    updates); ms per update and the relative difference of the two totals."""
+    updates); ms per update and the relative difference of the two totals. `sweep`: GroupedTiling field overrides
+    of the summed kernel, timed too (`summed_sweep`: its k steps per program make other tiles worth a look)."""
     interpret = _platform.interpret()
     out = {}
     for name, d_in, d_out in _gemm_shapes(p):
@@ -212,15 +213,25 @@ def time_wgrad_sum(p: MoEProblem, t: GroupedTiling, parts: int, reps: int = 4) -
                 return total
             return jax.lax.fori_loop(0, reps, update, total)
 
-        def summed(total, dys, xs, groups):
+        def summed(total, dys, xs, groups, tiling=t):
             return jax.lax.fori_loop(
-                0, reps, lambda _, tot: grouped_wgrad_sum(tot, dys, xs, groups, tiling=t, interpret=interpret), total)
+                0, reps, lambda _, tot: grouped_wgrad_sum(tot, dys, xs, groups, tiling=tiling, interpret=interpret),
+                total)
 
         row = {}
         for label, fn in (("per_microbatch", per_microbatch), ("summed", summed)):
             f = jax.jit(fn)
             row[f"{label}_ms"] = time_call(f, total, dys, xs, groups, reps=5, calls=2) / reps * 1e3
             row[f"{label}_total"] = f(total, dys, xs, groups)
+        row["summed_sweep"] = []
+        for cfg in sweep:
+            f = jax.jit(functools.partial(summed, tiling=dataclasses.replace(t, **cfg)))
+            try:
+                ms = time_call(f, total, dys, xs, groups, reps=5, calls=2) / reps * 1e3
+            except Exception as e:  # noqa: BLE001 - a launch that does not compile is a result
+                row["summed_sweep"].append(dict(cfg, error=f"{type(e).__name__}: {str(e)[:200]}"))
+                continue
+            row["summed_sweep"].append(dict(cfg, ms=ms))
         a, b = (np.asarray(row.pop(f"{k}_total"), np.float64) for k in ("per_microbatch", "summed"))
         row["rel_diff"] = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
         row["speedup"] = row["per_microbatch_ms"] / row["summed_ms"]

@@ -50,20 +50,24 @@ _TN = (((0,), (0,)), ((), ()))  # aᵀ @ b
 # depthwise backward (B), a bandwidth-bound elementwise pass over a head's channels
 _HEAD_TILES = {"cuda": (64, 4, 8, 1), "rocm": (64, 2, 4, 1), "cpu": (16, 4, 4, 1)}
 _DW_TILES = {"cuda": (64, 8), "rocm": (64, 4), "cpu": (16, 4)}
-_PROGRAMS_PER_CU = 2  # backward (A): enough (batch, head, chunk, tap) programs to fill the GPU about twice
+# backward (A): (batch, head, chunk, tap) programs per compute unit
+_PROGRAMS_PER_CU = {"cuda": 2, "rocm": 2, "cpu": 2}
 
 
 @contextlib.contextmanager
-def tiles_override(head: tuple[int, int, int, int], depthwise: tuple[int, int]):
+def tiles_override(head: tuple[int, int, int, int], depthwise: tuple[int, int],
+                   programs_per_cu: int | None = None):
     """Kernels traced inside use these (rows, forward warps, backward (A) warps, backward (A) stages) and (rows,
-    warps) on this backend (the kernel benchmark times candidates end to end)."""
+    warps) on this backend, and backward (A) this many programs per compute unit (the kernel benchmark times
+    candidates end to end)."""
     vendor = _platform.vendor()
-    saved = _HEAD_TILES[vendor], _DW_TILES[vendor]
+    saved = _HEAD_TILES[vendor], _DW_TILES[vendor], _PROGRAMS_PER_CU[vendor]
     _HEAD_TILES[vendor], _DW_TILES[vendor] = head, depthwise
+    _PROGRAMS_PER_CU[vendor] = programs_per_cu or saved[2]
     try:
         yield
     finally:
-        _HEAD_TILES[vendor], _DW_TILES[vendor] = saved
+        _HEAD_TILES[vendor], _DW_TILES[vendor], _PROGRAMS_PER_CU[vendor] = saved
 
 
 def _fit_rows(rows: int, T: int) -> int:
@@ -252,7 +256,8 @@ def _backward_grouped(xp, w1, b1, w2, masks, dout):
     T = Tp - P
     rows, _, warps, stages = _head_tiles(T)
     n_tiles = pl.cdiv(T, rows)
-    chunks = max(1, min(n_tiles, math.ceil(_PROGRAMS_PER_CU * _platform.compute_units() / (B * G * t1))))
+    per_cu = _PROGRAMS_PER_CU[_platform.vendor()]
+    chunks = max(1, min(n_tiles, math.ceil(per_cu * _platform.compute_units() / (B * G * t1))))
     x, do, w1t, b1f, w2t, m = _vma.vary_to_union(xp, dout, _tap_weights(w1), b1.astype(F32), _per_tap(w2), masks)
     in_specs = [_head_spec(Tp, d, head_axis=1), _head_spec(T, d, head_axis=1),
                 pl.BlockSpec((w1t.shape[0], d), lambda n, g, c, j: (0, g)),

@@ -49,7 +49,7 @@ def profile(runner, name: str, workdir: str) -> dict | None:
     text = c.as_text()
     return breakdown(jax.profiler.ProfileData.from_file(files[0]), hlo_op_names(text), reps,
                      gpu=jax.devices()[0].platform == "gpu", forward_only=v.kind == "fwd",
-                     sources=hlo_sources(text))
+                     sources=hlo_sources(text), instructions=hlo_instructions(text))
 
 
 def hlo_sources(hlo_text: str) -> dict:
@@ -65,9 +65,21 @@ def hlo_sources(hlo_text: str) -> dict:
     return out
 
 
-def breakdown(pd, op_names: dict, reps: int, gpu: bool, forward_only: bool, sources: dict | None = None) -> dict:
-    by_class, by_name, by_op, by_phase, by_source = {}, {}, {}, {}, {}
-    sources = sources or {}
+def hlo_instructions(hlo_text: str, width: int = 240) -> dict:
+    """HLO instruction name -> its text up to the metadata (result shape, opcode, operands, custom-call target),
+    cut to `width` characters: what a kernel computed, next to its time in `top_instructions_ms`."""
+    out = {}
+    for line in hlo_text.splitlines():
+        line = line.strip().removeprefix("ROOT ")
+        if line.startswith("%") and "=" in line:
+            out[line[1:line.index("=")].strip()] = line.split(", metadata=")[0][:width]
+    return out
+
+
+def breakdown(pd, op_names: dict, reps: int, gpu: bool, forward_only: bool, sources: dict | None = None,
+              instructions: dict | None = None) -> dict:
+    by_class, by_name, by_op, by_phase, by_source, by_instr = {}, {}, {}, {}, {}, {}
+    sources, instructions = sources or {}, instructions or {}
     total = 0.0
     for plane in pd.planes:
         if not plane.name.startswith("/device:GPU" if gpu else "/host:CPU"):
@@ -84,11 +96,13 @@ def breakdown(pd, op_names: dict, reps: int, gpu: bool, forward_only: bool, sour
                          else "other (optimizer, balancing, copies)")
                 for table, key in ((by_class, kernel_class(ev.name)), (by_name, ev.name), (by_phase, phase),
                                    (by_op, f"{phase[:3]} {op_key(op) or hlo or ev.name[:60]}"),
-                                   (by_source, f"{phase[:3]} {sources.get(hlo, '(no project frame)')}")):
+                                   (by_source, f"{phase[:3]} {sources.get(hlo, '(no project frame)')}"),
+                                   (by_instr, instructions.get(hlo, hlo or ev.name[:60]))):
                     table[key] = table.get(key, 0) + d
-    top = lambda dct, n: [[k[:200], round(t, 3)] for k, t in sorted(dct.items(), key=lambda kv: -kv[1])[:n]]
+    top = lambda dct, n, w=200: [[k[:w], round(t, 3)] for k, t in sorted(dct.items(), key=lambda kv: -kv[1])[:n]]
     return {"kernel_ms_per_step": total, "by_phase_ms": dict(top(by_phase, 10)), "by_class_ms": dict(top(by_class, 20)),
-            "top_ops_ms": top(by_op, 60), "top_kernels_ms": top(by_name, 40), "top_sources_ms": top(by_source, 60)}
+            "top_ops_ms": top(by_op, 60), "top_kernels_ms": top(by_name, 40), "top_sources_ms": top(by_source, 60),
+            "top_instructions_ms": top(by_instr, 60, 240)}
 
 
 def summary_line(name: str, prof: dict) -> str:
