@@ -40,6 +40,9 @@ def get_config() -> ConfigDict:
         # microbatches whose gradients are added to the fp32 sum in one pass (zaya_jax/train/step.py): fewer passes
         # over the sum, for holding this many minus one gradients in the compute dtype
         grads_per_pass=1,
+        # on one device with unrolled layers and the Pallas experts: form each pass's expert weight gradients after it,
+        # added to the fp32 sum by one kernel per weight (zaya_jax/model/deferred_wgrad.py); ignored elsewhere
+        defer_expert_wgrad=True,
         fault="",  # fault injection for drills/tests, e.g. "nan@12,hang@30" (zaya_jax/fault/inject.py)
     ))
     c.optim = ConfigDict(dict(learning_rate=3e-3, schedule="wsd", warmup_steps=20, total_steps=200,

@@ -107,9 +107,11 @@ def default_variants(batch: int, seq: int, gpu: bool, long_seq: int, ladder: lis
     for k in accums:
         steps = max(2, 12 // k)  # a call is k microbatches long
         vs.append(r(main, name=f"accum{k}", kind="accum", accum=k, max_steps=steps, grads_per_pass=4,
-                    note=f"one optimizer step of {k} microbatches of {batch}x{seq}, the trainer's program "
-                         "(make_accumulating_train_step, train.grads_per_pass=4): gradients summed in fp32 over a "
-                         "scan, 4 microbatches per pass, one Muon + AdamW update"))
+                    defer_expert_wgrad=True,
+                    note=f"one optimizer step of {k} microbatches of {batch}x{seq}, the trainer's program on one "
+                         "device (make_accumulating_train_step, train.grads_per_pass=4): gradients summed in fp32 "
+                         "over a scan, 4 microbatches per pass, the expert weight gradients of a pass formed after "
+                         "it, one Muon + AdamW update"))
     ctx = context_name(long_seq)
     searches = [
         Search(ctx, "first", tuple(
@@ -132,7 +134,7 @@ def extra_variants(batch: int, seq: int, gpu: bool) -> list[Variant]:
     main = main_variant(batch, seq, gpu)
     r = dataclasses.replace
     fwd_bwd = r(main, name="fwd_bwd", kind="fwd_bwd")
-    accum16 = r(main, name="accum16", kind="accum", accum=16, max_steps=2, grads_per_pass=4)
+    accum16 = r(main, name="accum16", kind="accum", accum=16, max_steps=2, grads_per_pass=4, defer_expert_wgrad=True)
     return [
         r(main, name="baseline", remat="full", ce_chunk=None, note="full logits, full remat"),
         r(main, name="full_ce", ce_chunk=None, note="main without the chunked CE"),
@@ -159,9 +161,9 @@ def extra_variants(batch: int, seq: int, gpu: bool) -> list[Variant]:
         *(r(accum16, name=f"accum16_grads_per_pass{m}", grads_per_pass=m,
             note=f"accum16 with the gradients of {m} microbatch(es) added to the fp32 sum in one pass")
           for m in (1, 2, 8)),
-        r(accum16, name="accum16_defer_wgrad", defer_expert_wgrad=True,
-          note="accum16 with the expert weight gradients of each pass formed after it, added to the fp32 sum by one "
-               "kernel (model/deferred_wgrad.py)"),
+        r(accum16, name="accum16_no_defer", defer_expert_wgrad=False,
+          note="accum16 with each microbatch's expert weight gradients in bf16, added to the fp32 sum per pass (no "
+               "deferral, model/deferred_wgrad.py)"),
         r(accum16, name="accum16_cudnn_attn", attention_impl="cudnn" if gpu else "xla",
           note="accum16 with cuDNN's attention"),
         r(accum16, name="accum16_xla_conv", conv_impl="xla",

@@ -229,14 +229,19 @@ def run(config: ConfigDict, workdir: str, *, log=print) -> dict:
         grad_spec_of = zero1_spec_fn(mesh) if s.parallel.zero1 else (lambda shape: P())
         grad_fn = sharded_value_and_grad(make_local_loss_sums(s.graphdef, reset, cp, ce_chunk), mesh, grad_spec_of,
                                          zigzag=cp.zigzag if cp else None)
+    per_layer_view = view_dtype is not None and not cfg.scan_layers
+    # deferred expert gradients: one device (the default gradient function) with the per-layer view and Pallas experts
+    defer_wgrad = (bool(config.train.get("defer_expert_wgrad", True)) and grad_fn is None and per_layer_view
+                   and cfg.moe_impl == "pallas")
     # out_shardings pin the state's layout (ZeRO-1 shards stay shards, parameters stay replicated). One compiled
     # program per distinct k (the leading axis of the stacked batches): jit retraces when a batch ramp changes k,
     # each ramp value compiles once and the full batch's program serves every step after the ramp.
     step_fn = jax.jit(make_accumulating_train_step(s.graphdef, s.tx, BalancerConfig(**dict(config.balancing)),
                                                    reset_at_documents=reset, ce_chunk_tokens=ce_chunk,
                                                    grad_fn=grad_fn, compute_dtype=view_dtype,
-                                                   per_layer_view=view_dtype is not None and not cfg.scan_layers,
-                                                   grads_per_pass=int(config.train.get("grads_per_pass", 1))),
+                                                   per_layer_view=per_layer_view,
+                                                   grads_per_pass=int(config.train.get("grads_per_pass", 1)),
+                                                   defer_expert_wgrad=defer_wgrad),
                       donate_argnums=0,
                       out_shardings=(jax.tree.map(lambda x: x.sharding, state), NamedSharding(mesh, P())),
                       compiler_options=combine_threshold_options(s.parallel.bucket_bytes))
