@@ -39,10 +39,11 @@ def trace_calls(fn, args, calls: int) -> dict:
             jax.block_until_ready(out)
         ops, _, _ = profile_trace.load(logdir)
     ops.sort(key=lambda e: e.start_ns)
-    # Calls run back to back; a call's kernels are those between the starts of its first kernel and the next's.
-    first = ops[0].name
-    starts = [i for i, e in enumerate(ops) if e.name == first][:calls] + [len(ops)]
-    per_call = [ops[a:b] for a, b in zip(starts, starts[1:])]
+    # Calls run back to back and launch the same kernels each: consecutive equal shares of the sorted kernels.
+    if len(ops) % calls:
+        raise RuntimeError(f"{len(ops)} traced kernels do not split into {calls} equal calls")
+    n = len(ops) // calls
+    per_call = [ops[i * n:(i + 1) * n] for i in range(calls)]
     times = collections.defaultdict(list)
     for events in per_call:
         seen = collections.Counter()

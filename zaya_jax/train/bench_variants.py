@@ -106,12 +106,12 @@ def default_variants(batch: int, seq: int, gpu: bool, long_seq: int, ladder: lis
     ]
     for k in accums:
         steps = max(2, 12 // k)  # a call is k microbatches long
-        vs.append(r(main, name=f"accum{k}", kind="accum", accum=k, max_steps=steps, grads_per_pass=4,
+        vs.append(r(main, name=f"accum{k}", kind="accum", accum=k, max_steps=steps, grads_per_pass=GRADS_PER_PASS,
                     defer_expert_wgrad=True,
                     note=f"one optimizer step of {k} microbatches of {batch}x{seq}, the trainer's program on one "
-                         "device (make_accumulating_train_step, train.grads_per_pass=4): gradients summed in fp32 "
-                         "over a scan, 4 microbatches per pass, the expert weight gradients of a pass formed after "
-                         "it, one Muon + AdamW update"))
+                         f"device (make_accumulating_train_step, train.grads_per_pass={GRADS_PER_PASS}): gradients "
+                         f"summed in fp32 over a scan, {GRADS_PER_PASS} microbatches per pass, the expert weight "
+                         "gradients of a pass formed after it, one Muon + AdamW update"))
     ctx = context_name(long_seq)
     searches = [
         Search(ctx, "first", tuple(
@@ -125,6 +125,12 @@ def default_variants(batch: int, seq: int, gpu: bool, long_seq: int, ladder: lis
     return vs, searches
 
 
+# Microbatches per accumulation pass of the accum rows. 8 measured slower than 4 both without the expert gradients
+# deferred (101.5k against 102.2k tokens/s at 16 microbatches, benchmarks/train_h200_attn_gpp_ab.json) and with them
+# (official runs of two calls: 64 microbatches 109.8k against 111.1k, peak 88.4 against 61.6 GiB;
+# benchmarks/train_h200_grads_per_pass8.json against train_h200.json).
+GRADS_PER_PASS = 4
+
 # The grouped-GEMM defaults replaced after benchmarks/moe_sweep_h200.json (an A/B inside the training step)
 PREVIOUS_MOE_TILING = (("fwd_stages", 3), ("dgrad_n", 128), ("dgrad_stages", 3), ("wgrad_k", 128))
 
@@ -134,7 +140,8 @@ def extra_variants(batch: int, seq: int, gpu: bool) -> list[Variant]:
     main = main_variant(batch, seq, gpu)
     r = dataclasses.replace
     fwd_bwd = r(main, name="fwd_bwd", kind="fwd_bwd")
-    accum16 = r(main, name="accum16", kind="accum", accum=16, max_steps=2, grads_per_pass=4, defer_expert_wgrad=True)
+    accum16 = r(main, name="accum16", kind="accum", accum=16, max_steps=2, grads_per_pass=GRADS_PER_PASS,
+                defer_expert_wgrad=True)
     return [
         r(main, name="baseline", remat="full", ce_chunk=None, note="full logits, full remat"),
         r(main, name="full_ce", ce_chunk=None, note="main without the chunked CE"),
@@ -160,7 +167,7 @@ def extra_variants(batch: int, seq: int, gpu: bool) -> list[Variant]:
                "restacked"),
         *(r(accum16, name=f"accum16_grads_per_pass{m}", grads_per_pass=m,
             note=f"accum16 with the gradients of {m} microbatch(es) added to the fp32 sum in one pass")
-          for m in (1, 2, 8)),
+          for m in (1, 2, 4, 8) if m != GRADS_PER_PASS),
         r(accum16, name="accum16_no_defer", defer_expert_wgrad=False,
           note="accum16 with each microbatch's expert weight gradients in bf16, added to the fp32 sum per pass (no "
                "deferral, model/deferred_wgrad.py)"),
