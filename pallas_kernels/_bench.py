@@ -174,8 +174,8 @@ def bench_cca_conv(shapes, copy_tbps: float, t0: int = 2, t1: int = 2, sweep=())
                     times = {"fwd_ms": time_call(fwd, xp, w1, b1, w2, b2) * 1e3,
                              "fwdbwd_ms": time_call(fwd_bwd, xp, w1, b1, w2, b2, dout) * 1e3}
                 entry["sweep"].append(dict(head=head, depthwise=depthwise, programs_per_cu=per_cu, **times))
-                print(f"    tiles head={head} depthwise={depthwise} programs/CU {per_cu}: fwd {times['fwd_ms']:.3f} ms, fwd+bwd "
-                      f"{times['fwdbwd_ms']:.3f} ms", flush=True)
+                print(f"    tiles head={head} depthwise={depthwise} programs/CU {per_cu}: "
+                      f"fwd {times['fwd_ms']:.3f} ms, fwd+bwd {times['fwdbwd_ms']:.3f} ms", flush=True)
         e = entry
         print(f"  cca qk mix B={B} T={T} heads={heads}+{kv}x{d} documents={documents}: fwd {e['pallas_fwd_ms']:.3f} ms "
               f"({e['pallas_fwd_vs_copy']:.2f} of copy, xla x{e['fwd_speedup_vs_xla']:.2f})  fwd+bwd "

@@ -154,8 +154,9 @@ def _kernel_fn(phase: str, t: GroupedTiling):
             a["dy"], a["w"], a["tile_group"], transpose_w=False, block_n=t.dgrad_n, block_k=t.dgrad_k,
             group_rows=t.group_rows, num_warps=t.dgrad_warps, num_stages=t.dgrad_stages, interpret=interpret))
     return jax.jit(lambda a: kern.group_wgrad(
-        [a["dy"]], [a["x"]], a["start"][None], a["count"][None], block_rows=t.block_rows, block_n=t.wgrad_n, block_k=t.wgrad_k,
-        rows_step=t.wgrad_rows, num_warps=t.wgrad_warps, num_stages=t.wgrad_stages, interpret=interpret))
+        [a["dy"]], [a["x"]], a["start"][None], a["count"][None], block_rows=t.block_rows, block_n=t.wgrad_n,
+        block_k=t.wgrad_k, rows_step=t.wgrad_rows, num_warps=t.wgrad_warps, num_stages=t.wgrad_stages,
+        interpret=interpret))
 
 
 def sweep_phase(phase: str, cfgs, base: GroupedTiling, p: MoEProblem, index: np.ndarray, routed: int):

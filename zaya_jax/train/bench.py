@@ -31,8 +31,8 @@ Measured with this version (benchmarks/train_h200.json, bench preset, batch 2 x 
 the Pallas CCA q/k mixing kernels): main 200.6 ms = 40.8k tokens/s (fwd+bwd 75.3 ms, Muon + AdamW update 127.1 ms)
 vs HF + torch.compile 105.4 ms = 77.7k; AdamW on both sides 1.18x HF; 64 microbatches through the trainer (4
 gradients per pass, expert gradients deferred to each pass's end) 111.1k against HF's measured 64-microbatch step
-89.0k (1.248x), the update alone 2.7% of that step. The deferral in one call (benchmarks/train_h200_defer_wgrad_ab.json):
-16 microbatches 1299.1 against 1312.2 ms.
+89.0k (1.248x), the update alone 2.7% of that step. The deferral in one call
+(benchmarks/train_h200_defer_wgrad_ab.json): 16 microbatches 1299.1 against 1312.2 ms.
 The q/k mixing kernels against XLA's, in one call (benchmarks/train_h200_qk_mix_ab.json): fwd_bwd 77.2 against
 78.9 ms, 16 microbatches 1324.9 against 1363.3 ms. Head chunks of 8192 tokens (what configs/zaya1_base.py trains
 with; the default since), each against 4096 in one call: fwd_bwd 76.1 against 79.6 ms and the 64-microbatch step 0.8%
