@@ -233,6 +233,11 @@ def run(config: ConfigDict, workdir: str, *, log=print) -> dict:
     # deferred expert gradients: one device (the default gradient function) with the per-layer view and Pallas experts
     defer_wgrad = (bool(config.train.get("defer_expert_wgrad", True)) and grad_fn is None and per_layer_view
                    and cfg.moe_impl == "pallas")
+    if config.train.get("defer_expert_wgrad", True) and not defer_wgrad and plan.accumulation > 1:
+        why = ("several devices" if grad_fn is not None else "layers under lax.scan or no compute-dtype view"
+               if not per_layer_view else f"moe_impl {cfg.moe_impl!r}")
+        log(f"train.defer_expert_wgrad: not used ({why}; it needs one device, unrolled layers, the per-layer view "
+            "and moe_impl 'pallas')")
     # out_shardings pin the state's layout (ZeRO-1 shards stay shards, parameters stay replicated). One compiled
     # program per distinct k (the leading axis of the stacked batches): jit retraces when a batch ramp changes k,
     # each ramp value compiles once and the full batch's program serves every step after the ramp.
