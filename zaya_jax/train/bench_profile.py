@@ -102,7 +102,7 @@ def breakdown(pd, op_names: dict, reps: int, gpu: bool, forward_only: bool, sour
     top = lambda dct, n, w=200: [[k[:w], round(t, 3)] for k, t in sorted(dct.items(), key=lambda kv: -kv[1])[:n]]
     return {"kernel_ms_per_step": total, "by_phase_ms": dict(top(by_phase, 10)), "by_class_ms": dict(top(by_class, 20)),
             "top_ops_ms": top(by_op, 60), "top_kernels_ms": top(by_name, 40), "top_sources_ms": top(by_source, 60),
-            "top_instructions_ms": top(by_instr, 60, 240)}
+            "top_instructions_ms": top(by_instr, 200, 240)}
 
 
 def summary_line(name: str, prof: dict) -> str:
