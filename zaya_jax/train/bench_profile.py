@@ -68,12 +68,15 @@ def hlo_sources(hlo_text: str) -> dict:
 def hlo_instructions(hlo_text: str, width: int = 240) -> dict:
     """HLO instruction name -> its text up to the metadata (result shape, opcode, operands, custom-call target),
     cut to `width` characters: what a kernel computed, next to its time in `top_instructions_ms`."""
-    out = {}
+    return {name: line.split(", metadata=")[0][:width] for name, line in _instruction_lines(hlo_text)}
+
+
+def _instruction_lines(hlo_text: str):
+    """(instruction name, its line without a ROOT prefix) for every instruction of the HLO text."""
     for line in hlo_text.splitlines():
         line = line.strip().removeprefix("ROOT ")
         if line.startswith("%") and "=" in line:
-            out[line[1:line.index("=")].strip()] = line.split(", metadata=")[0][:width]
-    return out
+            yield line[1:line.index("=")].strip(), line
 
 
 def breakdown(pd, op_names: dict, reps: int, gpu: bool, forward_only: bool, sources: dict | None = None,
@@ -113,12 +116,7 @@ def summary_line(name: str, prof: dict) -> str:
 def hlo_op_names(hlo_text: str) -> dict:
     """HLO instruction name -> the JAX op_name in its metadata (e.g. 'jit(train_step)/transpose(jvp(...))/dot')."""
     out = {}
-    for line in hlo_text.splitlines():
-        line = line.strip()
-        line = line.removeprefix("ROOT ")
-        if not line.startswith("%") or "=" not in line:
-            continue
-        name = line[1:line.index("=")].strip()
+    for name, line in _instruction_lines(hlo_text):
         i = line.find('op_name="')
         if i >= 0:
             out[name] = line[i + 9:line.find('"', i + 9)]
