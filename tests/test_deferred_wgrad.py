@@ -1,9 +1,11 @@
-"""Expert weight gradients deferred to the end of an accumulation pass (zaya_jax/model/deferred_wgrad.py):
-  * at a deferred view, one microbatch's gradients of every other leaf are exactly those at the plain per-layer
-    view, and the experts' gradients formed from the taps equal theirs (fp32: to rounding; bf16: to the compute
-    dtype's rounding of the plain path, which the deferred sum does not do);
-  * the accumulating step with deferral (k = 4 microbatches, 2 per pass, the Pallas grouped GEMM in interpret mode)
-    gives the same new state as without it;
+"""Expert weight gradients deferred to the end of an accumulation pass (zaya_jax/model/deferred_wgrad.py) and the
+embedding lookup's gradient taken out as rows (zaya_jax/model/embedding_tap.py):
+  * at a deferred, tapped view, one microbatch's gradients of every other leaf are exactly those at the plain
+    per-layer view, the embedding table's (head GEMM, then the rows scattered) equal its gradient to fp32 rounding,
+    and the experts' gradients formed from the taps equal theirs (fp32: to rounding; bf16: to the compute dtype's
+    rounding of the plain path, which the deferred sum does not do);
+  * the accumulating step with both (k = 4 microbatches, 2 per pass, the Pallas grouped GEMM in interpret mode)
+    gives the same new state as with neither;
   * configurations it cannot serve are named."""
 
 import jax
@@ -15,7 +17,7 @@ from test_train_accumulation import accumulating_setup, stacked_batches
 
 from zaya_jax.config import preset
 from zaya_jax.model import ZayaForCausalLM
-from zaya_jax.model import deferred_wgrad
+from zaya_jax.model import deferred_wgrad, embedding_tap
 from zaya_jax.model.base import BalancingBias
 from zaya_jax.model.compute_view import compute_view
 from zaya_jax.model.layer_stack import stack_layer_slices
@@ -47,28 +49,36 @@ def test_one_microbatch_gradients_at_the_deferred_view(dtype, expert_tol):
     (loss, _), want = grad(view, model_state, batch)
     tokens = batch["inputs"].size
     deferred = deferred_wgrad.defer_expert_wgrads(view, tokens, gmm.block_rows(jnp.dtype(cfg.dtype)))
-    (loss_d, _), got = grad(deferred, model_state, batch)
+    (loss_d, _), got = grad(embedding_tap.tap(deferred, batch["inputs"].shape), model_state, batch)
     np.testing.assert_array_equal(np.asarray(loss_d), np.asarray(loss))
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), view)
-    total = jax.jit(lambda z, g: deferred_wgrad.accumulate(z, [g], lambda t, x: t + x.astype(jnp.float32),
-                                                          impl="pallas"))(zeros, got)
+
+    def accumulate(z, g):
+        g, rows = embedding_tap.split(g)
+        z = deferred_wgrad.accumulate(z, [g], lambda t, x: t + x.astype(jnp.float32), impl="pallas")
+        return embedding_tap.add_rows(z, [rows], [batch["inputs"]])
+
+    total = jax.jit(accumulate)(zeros, got)
     want = {k: np.asarray(v, np.float32) for k, v in leaves_by_path(stack_layer_slices(want)).items()}
     got = leaves_by_path(stack_layer_slices(total))
     assert got.keys() == want.keys()
     experts = [k for k in got if "'experts'" in k]
     assert len(experts) == 2
+    embedding = "['model']['embed_tokens']['weight']"
     for k in got:
         if k in experts:
             assert rel(got[k], want[k]) <= expert_tol, k
+        elif k == embedding:
+            np.testing.assert_allclose(np.asarray(got[k]), want[k], rtol=1e-6, atol=1e-9)
         else:
             np.testing.assert_array_equal(np.asarray(got[k]), want[k], err_msg=k)
 
 
-def test_the_accumulating_step_with_deferral_matches_the_step_without():
+def test_the_accumulating_step_with_deferral_and_rows_tap_matches_the_step_without():
     cfg = config("float32")
     kwargs = dict(compute_dtype="float32", per_layer_view=True, grads_per_pass=2)
     _, state, deferred, _ = accumulating_setup(cfg, 1, defer_expert_wgrad=True, **kwargs)
-    _, _, plain, _ = accumulating_setup(cfg, 1, **kwargs)
+    _, _, plain, _ = accumulating_setup(cfg, 1, embedding_rows_tap=False, **kwargs)
     batches = stacked_batches(cfg, k=4)
     got, got_metrics = jax.device_get(jax.jit(deferred)(state, batches))
     want, want_metrics = jax.device_get(jax.jit(plain)(state, batches))

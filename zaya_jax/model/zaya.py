@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zaya_jax.config import ModelConfig
+from zaya_jax.model import embedding_tap
 from zaya_jax.model.base import RMSNormWeight, dtypes, normal_init
 from zaya_jax.model.cca import rope_inv_freq
 from zaya_jax.model.layer import DecoderLayer
@@ -91,7 +92,7 @@ class ZayaModel(nnx.Module):
         B, T = input_ids.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))
-        e = jnp.take(self.embed_tokens.weight[...], input_ids, axis=0).astype(jnp.float32)
+        e = embedding_tap.lookup(self.embed_tokens.weight.get_value(), input_ids)
         h = (e + self.input_hidden_states_bias[...].astype(jnp.float32)) * self.input_hidden_states_scale[...].astype(
             jnp.float32)
         # zeros_like(h): under shard_map (context parallelism) the scan carry must vary over the mesh axes as h does
@@ -157,7 +158,7 @@ class ZayaModel(nnx.Module):
         cfg = self.cfg
         dt = dtypes(cfg)[0]
         B, T = input_ids.shape
-        e = jnp.take(self.embed_tokens.weight[...], input_ids, axis=0).astype(jnp.float32)
+        e = embedding_tap.lookup(self.embed_tokens.weight.get_value(), input_ids)
         h = (e + self.input_hidden_states_bias[...].astype(jnp.float32)) * self.input_hidden_states_scale[...].astype(
             jnp.float32)
         router_state = jnp.zeros((B, T, cfg.router_hidden_size), jnp.float32)
@@ -217,7 +218,9 @@ class ZayaForCausalLM(nnx.Module):
         return self.logits(y), aux
 
     def head_weight(self):
-        return self.model.embed_tokens.weight[...] if self.cfg.tie_word_embeddings else self.lm_head.weight[...]
+        if self.cfg.tie_word_embeddings:
+            return embedding_tap.table(self.model.embed_tokens.weight.get_value())
+        return self.lm_head.weight[...]
 
     def logits(self, y):
         """fp32 logits from final hidden states, rounded once to the compute dtype as HF's lm_head returns them."""

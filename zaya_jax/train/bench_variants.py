@@ -32,6 +32,7 @@ class Variant:
     per_layer_view: bool = True  # kind 'accum', unrolled layers: the view sliced per layer once per step
     grads_per_pass: int = 1  # kind 'accum': microbatch gradients added to the fp32 sum in one pass (train option)
     defer_expert_wgrad: bool = False  # kind 'accum': expert weight gradients formed once per pass (train option)
+    embedding_rows_tap: bool = True  # kind 'accum': the lookup's gradient as rows (model/embedding_tap.py)
     moe_tiling: tuple[tuple[str, int], ...] = ()  # GroupedTiling fields replaced while tracing (moe_impl 'pallas')
     max_steps: int | None = None  # cap on timed calls (long programs)
     note: str = ""
@@ -171,6 +172,9 @@ def extra_variants(batch: int, seq: int, gpu: bool) -> list[Variant]:
         r(accum16, name="accum16_no_defer", defer_expert_wgrad=False,
           note="accum16 with each microbatch's expert weight gradients in bf16, added to the fp32 sum per pass (no "
                "deferral, model/deferred_wgrad.py)"),
+        r(accum16, name="accum16_no_rows_tap", embedding_rows_tap=False,
+          note="accum16 with the embedding lookup's gradient scattered into each microbatch's table gradient (no "
+               "rows tap, model/embedding_tap.py)"),
         r(accum16, name="accum16_cudnn_attn", attention_impl="cudnn" if gpu else "xla",
           note="accum16 with cuDNN's attention"),
         r(accum16, name="accum16_xla_conv", conv_impl="xla",

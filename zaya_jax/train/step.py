@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from zaya_jax.model import deferred_wgrad
+from zaya_jax.model import deferred_wgrad, embedding_tap
 from zaya_jax.model.compute_view import compute_view
 from zaya_jax.model.layer_stack import stack_layer_slices
 from zaya_jax.model.loss import chunked_head_cross_entropy, token_cross_entropy_terms
@@ -118,7 +118,7 @@ def _group_size(k: int, wanted: int) -> int:
 def make_accumulating_train_step(graphdef, tx: optax.GradientTransformation, balancer: BalancerConfig, *,
                                  reset_at_documents: bool = False, ce_chunk_tokens: int | None = None, grad_fn=None,
                                  compute_dtype=None, per_layer_view: bool = False, grads_per_pass: int = 1,
-                                 defer_expert_wgrad: bool = False):
+                                 defer_expert_wgrad: bool = False, embedding_rows_tap: bool = True):
     """train_step(state, batches) -> (state, metrics): one optimizer step over the k microbatches of `batches`
     (every field [k, rows, ...]; k is static, so each k compiles its own program). grad_fn(params, model_state,
     batch) -> ((loss, expert counts), grads) replaces value_and_grad of the model loss (data/context parallelism in
@@ -135,6 +135,9 @@ def make_accumulating_train_step(graphdef, tx: optax.GradientTransformation, bal
     defer_expert_wgrad (with per_layer_view, the default grad_fn and moe_impl 'pallas'): the expert weights' gradients
     of a group's microbatches are formed after it, added to the fp32 sum by one kernel per weight
     (model/deferred_wgrad.py: the same sum without their per-microbatch rounding to the compute dtype).
+    embedding_rows_tap (with the default grad_fn): the embedding lookup's gradient comes out as rows, scattered into
+    the fp32 sum after the pass, so the table's gradient is the head GEMM alone, added to the sum in place
+    (model/embedding_tap.py: the same terms in another order).
 
     Metrics: loss and the load figures are means over the microbatches (each microbatch's loss is its token mean,
     its load figures the extremes over layers); grad_norm is the norm of the mean gradient the optimizer gets."""
@@ -170,6 +173,9 @@ def make_accumulating_train_step(graphdef, tx: optax.GradientTransformation, bal
             if defer_expert_wgrad:
                 tokens = batches["inputs"].shape[1] * batches["inputs"].shape[2]
                 grad_view = deferred_wgrad.defer_expert_wgrads(view, tokens, gmm.block_rows(compute_dtype))
+            tap_rows = embedding_rows_tap and not custom_grad_fn
+            if tap_rows:
+                grad_view = embedding_tap.tap(grad_view, batches["inputs"].shape[1:3])
 
             m = _group_size(k, grads_per_pass)
 
@@ -181,10 +187,14 @@ def make_accumulating_train_step(graphdef, tx: optax.GradientTransformation, bal
                         grad_view, model_state, balancer_state, jax.tree.map(lambda x: x[j], group))
                     group_grads.append(grads)
                     group_metrics.append(metrics)
+                if tap_rows:
+                    group_grads, rows = zip(*map(embedding_tap.split, group_grads))
                 if defer_expert_wgrad:
                     total = deferred_wgrad.accumulate(total, group_grads, _accumulate, impl="pallas")
                 else:
                     total = jax.tree.map(_accumulate, total, *group_grads)
+                if tap_rows:
+                    total = embedding_tap.add_rows(total, rows, [group["inputs"][j] for j in range(m)])
                 return (total, model_state, balancer_state), jax.tree.map(lambda *v: jnp.stack(v), *group_metrics)
 
             # the gradients' structure: per layer from value_and_grad at a per-layer view, stacked from a grad_fn

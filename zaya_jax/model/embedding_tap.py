@@ -1,0 +1,80 @@
+"""The embedding lookup's gradient as rows, for the accumulating train step.
+
+The tied table [V, D] gets two gradients per microbatch: the head's (one GEMM, [V, D] fp32) and the lookup's (a
+scatter-add of the looked-up rows' gradients). Summed in the microbatch, they leave the GEMM as an operand of the
+scatter, so the pass's sum over microbatches became one more fp32 pass over k + 1 tables of V x D: 2.4 ms per pass of
+4 microbatches of 8192 tokens at the bench widths (benchmarks/train_h200_profile_accum16_defer.json,
+loop_add_fusion.87). With the lookup's gradient taken out as rows (a zero tap added to the looked-up rows), the
+table's gradient is the head GEMM alone, which cuBLAS adds to the fp32 sum in place (beta = 1), and the rows are
+scattered into the sum after it: the same terms, summed in another order.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+EMBEDDING = ("model", "embed_tokens", "weight")
+
+
+class EmbeddingRowsTap(NamedTuple):
+    """The embedding table with a zero tap [B, T, D] (fp32) added to its looked-up rows: the tap's cotangent is
+    the rows' gradient and the table's own gradient leaves the lookup out."""
+    weight: jax.Array
+    rows: jax.Array
+
+    @property
+    def shape(self):
+        return self.weight.shape
+
+    @property
+    def dtype(self):
+        return self.weight.dtype
+
+
+def table(w):
+    """The table itself, tapped or not (the head reads it)."""
+    return w.weight if isinstance(w, EmbeddingRowsTap) else w
+
+
+def lookup(w, ids):
+    """w[ids] in fp32 ([B, T, D]); through the tap when w is tapped."""
+    if isinstance(w, EmbeddingRowsTap):
+        return jnp.take(jax.lax.stop_gradient(w.weight), ids, axis=0).astype(jnp.float32) + w.rows
+    return jnp.take(w, ids, axis=0).astype(jnp.float32)
+
+
+def _get(tree, path):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _replace(tree, path, value):
+    """A copy of the nested dict `tree` with tree[path] = value (the dicts along the path copied, nothing else)."""
+    if not path:
+        return value
+    return {**tree, path[0]: _replace(tree[path[0]], path[1:], value)}
+
+
+def tap(view, ids_shape):
+    """The parameter view with the embedding table tapped for a microbatch of ids_shape [B, T]."""
+    w = _get(view, EMBEDDING)
+    return _replace(view, EMBEDDING, EmbeddingRowsTap(w, jnp.zeros((*ids_shape, w.shape[1]), jnp.float32)))
+
+
+def split(grads):
+    """A tapped view's gradients -> (the plain structure, the table's gradient being the head's alone; the rows'
+    gradient [B, T, D])."""
+    g = _get(grads, EMBEDDING)
+    return _replace(grads, EMBEDDING, g.weight), g.rows
+
+
+def add_rows(total, rows, ids):
+    """total (fp32, plain structure) with each microbatch's row gradients scattered into the table's sum, in order."""
+    t = _get(total, EMBEDDING)
+    for r, i in zip(rows, ids):
+        t = t.at[i.reshape(-1)].add(r.reshape(-1, r.shape[-1]))
+    return _replace(total, EMBEDDING, t)
