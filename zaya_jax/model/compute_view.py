@@ -41,6 +41,21 @@ def key_path(path) -> tuple[str, ...]:
     return tuple(_key(e) for e in path)
 
 
+def tree_get(tree, path):
+    """tree[path[0]][path[1]]... of a nested dict."""
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def tree_replace(tree, path, value):
+    """A copy of the nested dict `tree` with the entry at `path` set to value (the dicts along the path copied,
+    nothing else)."""
+    if not path:
+        return value
+    return {**tree, path[0]: tree_replace(tree[path[0]], path[1:], value)}
+
+
 def compute_view(params, compute_dtype=None, *, per_layer: bool = False):
     """params with the COMPUTE_DTYPE_LEAVES cast to compute_dtype (None: no cast; others unchanged). per_layer (the
     unrolled model, scan_layers=False): also hold every stacked layer leaf as its per-layer arrays (LayerSlices),

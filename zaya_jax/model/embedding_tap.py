@@ -16,6 +16,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from zaya_jax.model.compute_view import tree_get, tree_replace
+
 EMBEDDING = ("model", "embed_tokens", "weight")
 
 
@@ -24,14 +26,6 @@ class EmbeddingRowsTap(NamedTuple):
     the rows' gradient and the table's own gradient leaves the lookup out."""
     weight: jax.Array
     rows: jax.Array
-
-    @property
-    def shape(self):
-        return self.weight.shape
-
-    @property
-    def dtype(self):
-        return self.weight.dtype
 
 
 def table(w):
@@ -46,35 +40,22 @@ def lookup(w, ids):
     return jnp.take(w, ids, axis=0).astype(jnp.float32)
 
 
-def _get(tree, path):
-    for key in path:
-        tree = tree[key]
-    return tree
-
-
-def _replace(tree, path, value):
-    """A copy of the nested dict `tree` with tree[path] = value (the dicts along the path copied, nothing else)."""
-    if not path:
-        return value
-    return {**tree, path[0]: _replace(tree[path[0]], path[1:], value)}
-
-
 def tap(view, ids_shape):
     """The parameter view with the embedding table tapped for a microbatch of ids_shape [B, T]."""
-    w = _get(view, EMBEDDING)
-    return _replace(view, EMBEDDING, EmbeddingRowsTap(w, jnp.zeros((*ids_shape, w.shape[1]), jnp.float32)))
+    w = tree_get(view, EMBEDDING)
+    return tree_replace(view, EMBEDDING, EmbeddingRowsTap(w, jnp.zeros((*ids_shape, w.shape[1]), jnp.float32)))
 
 
 def split(grads):
     """A tapped view's gradients -> (the plain structure, the table's gradient being the head's alone; the rows'
     gradient [B, T, D])."""
-    g = _get(grads, EMBEDDING)
-    return _replace(grads, EMBEDDING, g.weight), g.rows
+    g = tree_get(grads, EMBEDDING)
+    return tree_replace(grads, EMBEDDING, g.weight), g.rows
 
 
 def add_rows(total, rows, ids):
     """total (fp32, plain structure) with each microbatch's row gradients scattered into the table's sum, in order."""
-    t = _get(total, EMBEDDING)
+    t = tree_get(total, EMBEDDING)
     for r, i in zip(rows, ids):
         t = t.at[i.reshape(-1)].add(r.reshape(-1, r.shape[-1]))
-    return _replace(total, EMBEDDING, t)
+    return tree_replace(total, EMBEDDING, t)

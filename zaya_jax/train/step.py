@@ -20,7 +20,7 @@ import optax
 from flax import nnx
 
 from zaya_jax.model import deferred_wgrad, embedding_tap
-from zaya_jax.model.compute_view import compute_view
+from zaya_jax.model.compute_view import compute_view, tree_get, tree_replace
 from zaya_jax.model.layer_stack import stack_layer_slices
 from zaya_jax.model.loss import chunked_head_cross_entropy, token_cross_entropy_terms
 from zaya_jax.ops import grouped_matmul as gmm
@@ -31,18 +31,11 @@ BIASES_PATH = ("model", "layers", "mlp", "gate", "balancing_biases")
 
 
 def get_biases(model_state):
-    node = model_state
-    for k in BIASES_PATH:
-        node = node[k]
-    return node
+    return tree_get(model_state, BIASES_PATH)
 
 
 def with_biases(model_state, biases):
-    def rebuild(node, keys):
-        if not keys:
-            return biases
-        return {**node, keys[0]: rebuild(node[keys[0]], keys[1:])}
-    return rebuild(model_state, BIASES_PATH)
+    return tree_replace(model_state, BIASES_PATH, biases)
 
 
 def model_inputs(batch: dict, reset_at_documents: bool) -> dict:
