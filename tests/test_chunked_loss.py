@@ -1,6 +1,7 @@
 """The chunked head cross-entropy (zaya_jax/model/loss.py) against the full-logits loss: values and gradients in
 fp32 (tight), in bf16 (the head-gradient GEMMs take bf16 operands: loose), padding of the last chunk, the head bias,
-masked tokens, and the train step's loss with and without chunking on a tiny model."""
+masked tokens, a precast compute-dtype copy of the weight (the same values and gradients, exactly; the copy gets
+none), and the train step's loss with and without chunking on a tiny model."""
 
 import jax
 import jax.numpy as jnp
@@ -108,6 +109,25 @@ def test_bf16_matches_within_bf16_rounding():
     for a, b in ((gh, rh), (gw, rw)):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-2
+
+
+@pytest.mark.parametrize("chunk", [48, 200])  # several chunks (fp32 sums), one chunk (the gradient out of its GEMM)
+def test_a_precast_weight_copy_gives_the_same_values_and_gradients(chunk):
+    hidden, weight, _, targets, mask = inputs(6, B=2, T=64, D=64, V=300, dtype=jnp.bfloat16)
+
+    def loss(hidden, weight, copy):
+        return chunked_head_cross_entropy(hidden, weight, targets, mask, chunk_tokens=chunk, mean=True,
+                                          weight_compute=copy)[0]
+
+    grad = jax.jit(jax.value_and_grad(loss, (0, 1, 2)))
+    want, (wh, ww, _) = grad(hidden, weight, None)
+    got, (gh, gw, g_copy) = grad(hidden, weight, weight.astype(jnp.bfloat16))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert gw.dtype == jnp.float32 and not np.asarray(g_copy, np.float32).any()
+    np.testing.assert_array_equal(np.asarray(gh, np.float32), np.asarray(wh, np.float32))
+    np.testing.assert_array_equal(np.asarray(gw), np.asarray(ww))
+    with pytest.raises(ValueError, match="weight_compute must be weight"):
+        loss(hidden, weight, weight)  # fp32: not the hidden states' dtype
 
 
 def test_train_loss_with_chunked_head_equals_full_head():

@@ -7,6 +7,10 @@ scatter, so the pass's sum over microbatches became one more fp32 pass over k + 
 loop_add_fusion.87). With the lookup's gradient taken out as rows (a zero tap added to the looked-up rows), the
 table's gradient is the head GEMM alone, which cuBLAS adds to the fp32 sum in place (beta = 1), and the rows are
 scattered into the sum after it: the same terms, summed in another order.
+
+The tap also carries the table cast once per step to the compute dtype for the head GEMMs (without it the cast ran
+once per pass of the microbatch loop: 0.75 ms a pass at the bench widths); the head's gradient is still formed
+for the fp32 table (model/loss.py: chunked_head_cross_entropy's weight_compute).
 """
 
 from __future__ import annotations
@@ -23,14 +27,21 @@ EMBEDDING = ("model", "embed_tokens", "weight")
 
 class EmbeddingRowsTap(NamedTuple):
     """The embedding table with a zero tap [B, T, D] (fp32) added to its looked-up rows: the tap's cotangent is
-    the rows' gradient and the table's own gradient leaves the lookup out."""
+    the rows' gradient and the table's own gradient leaves the lookup out. head: the table in the compute dtype
+    (no gradient flows into it) or None."""
     weight: jax.Array
     rows: jax.Array
+    head: jax.Array | None = None
 
 
 def table(w):
     """The table itself, tapped or not (the head reads it)."""
     return w.weight if isinstance(w, EmbeddingRowsTap) else w
+
+
+def head_copy(w):
+    """The table in the compute dtype for the head, when the tap carries one (else None)."""
+    return w.head if isinstance(w, EmbeddingRowsTap) else None
 
 
 def lookup(w, ids):
@@ -40,10 +51,12 @@ def lookup(w, ids):
     return jnp.take(w, ids, axis=0).astype(jnp.float32)
 
 
-def tap(view, ids_shape):
-    """The parameter view with the embedding table tapped for a microbatch of ids_shape [B, T]."""
+def tap(view, ids_shape, head_dtype=None):
+    """The parameter view with the embedding table tapped for a microbatch of ids_shape [B, T]; head_dtype (the
+    compute dtype of a tied head): with the table cast to it for the head."""
     w = tree_get(view, EMBEDDING)
-    return tree_replace(view, EMBEDDING, EmbeddingRowsTap(w, jnp.zeros((*ids_shape, w.shape[1]), jnp.float32)))
+    head = None if head_dtype is None else jax.lax.stop_gradient(w.astype(head_dtype))
+    return tree_replace(view, EMBEDDING, EmbeddingRowsTap(w, jnp.zeros((*ids_shape, w.shape[1]), jnp.float32), head))
 
 
 def split(grads):

@@ -81,8 +81,8 @@ def _zero_like_tokens(ms):
     return ms[:0].sum()
 
 
-def _head_ce_sum(hidden, weight, bias, targets, mask, chunk_tokens):
-    w = weight.astype(hidden.dtype)
+def _head_ce_sum(hidden, weight, weight_compute, bias, targets, mask, chunk_tokens):
+    w = weight.astype(hidden.dtype) if weight_compute is None else weight_compute
     hs, ts, ms = _head_chunks(hidden, targets, mask, chunk_tokens)
 
     def body(total, xs):
@@ -93,14 +93,14 @@ def _head_ce_sum(hidden, weight, bias, targets, mask, chunk_tokens):
     return jax.lax.scan(body, _zero_like_tokens(ms), (hs, ts, ms))[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _head_ce(hidden, weight, bias, targets, mask, chunk_tokens, impl):
-    return _head_ce_sum(hidden, weight, bias, targets, mask, chunk_tokens)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _head_ce(hidden, weight, weight_compute, bias, targets, mask, chunk_tokens, impl):
+    return _head_ce_sum(hidden, weight, weight_compute, bias, targets, mask, chunk_tokens)
 
 
-def _head_ce_fwd(hidden, weight, bias, targets, mask, chunk_tokens, impl):
+def _head_ce_fwd(hidden, weight, weight_compute, bias, targets, mask, chunk_tokens, impl):
     dt = hidden.dtype
-    w = weight.astype(dt)
+    w = weight.astype(dt) if weight_compute is None else weight_compute  # weight itself is then never read
     n = hidden.shape[0]
     hs, ts, ms = _head_chunks(hidden, targets, mask, chunk_tokens)
 
@@ -134,7 +134,7 @@ def _head_ce_fwd(hidden, weight, bias, targets, mask, chunk_tokens, impl):
 def _head_ce_bwd(chunk_tokens, impl, res, g):
     d_h, d_w, d_b, h_like, w_like, b_like, targets, mask = res
     d_b = None if d_b is None else (g * d_b).astype(b_like.dtype)
-    return ((g * d_h).astype(h_like.dtype), (g * d_w).astype(w_like.dtype), d_b,
+    return ((g * d_h).astype(h_like.dtype), (g * d_w).astype(w_like.dtype), None, d_b,
             jnp.zeros(targets.shape, jax.dtypes.float0), jnp.zeros_like(mask))
 
 
@@ -142,7 +142,7 @@ _head_ce.defvjp(_head_ce_fwd, _head_ce_bwd)
 
 
 def chunked_head_cross_entropy(hidden, weight, targets, mask, *, bias=None, chunk_tokens: int = 4096,
-                               impl: str = "xla", mean: bool = False):
+                               impl: str = "xla", mean: bool = False, weight_compute=None):
     """Sum over tokens of the masked next-token CE of `hidden @ weight^T (+ bias)`, and the counted-token total.
 
     hidden [..., D] (compute dtype; the head GEMMs run in it with fp32 accumulation), weight [V, D] (any float dtype,
@@ -157,11 +157,17 @@ def chunked_head_cross_entropy(hidden, weight, targets, mask, *, bias=None, chun
     the count up front (as Hugging Face's loss scales its fp32 logit gradient). Differentiated alone, its cotangent
     is then 1 and the backward's scaling of the [V, D] head gradient is a no-op XLA removes: with one chunk that
     gradient leaves its GEMM final, in the weight's dtype. (With one chunk and a weight narrower than fp32, a
-    cotangent other than 1 rounds that gradient a second time.)"""
+    cotangent other than 1 rounds that gradient a second time.)
+
+    weight_compute: weight already cast to hidden's dtype (the accumulating step casts the tied table once per step,
+    model/embedding_tap.py); the GEMMs read it instead of casting weight, whose gradient is formed as without it."""
     d = hidden.shape[-1]
+    if weight_compute is not None and (weight_compute.shape != weight.shape or weight_compute.dtype != hidden.dtype):
+        raise ValueError(f"weight_compute must be weight {weight.shape} in the hidden states' dtype {hidden.dtype}, "
+                         f"got {weight_compute.dtype} {weight_compute.shape}")
     flat_mask = mask.reshape(-1).astype(jnp.float32)
     counted = flat_mask.sum()
     weights = flat_mask / jnp.maximum(counted, 1.0) if mean else flat_mask
-    total = _head_ce(hidden.reshape(-1, d), weight, bias, targets.reshape(-1).astype(jnp.int32), weights,
-                     int(chunk_tokens), impl)
+    total = _head_ce(hidden.reshape(-1, d), weight, weight_compute, bias, targets.reshape(-1).astype(jnp.int32),
+                     weights, int(chunk_tokens), impl)
     return total, counted

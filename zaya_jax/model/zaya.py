@@ -222,6 +222,12 @@ class ZayaForCausalLM(nnx.Module):
             return embedding_tap.table(self.model.embed_tokens.weight.get_value())
         return self.lm_head.weight[...]
 
+    def head_weight_copy(self):
+        """The tied head's table already in the compute dtype, when a tap carries it (else None)."""
+        if self.cfg.tie_word_embeddings:
+            return embedding_tap.head_copy(self.model.embed_tokens.weight.get_value())
+        return None
+
     def logits(self, y):
         """fp32 logits from final hidden states, rounded once to the compute dtype as HF's lm_head returns them."""
         bias = self.lm_head.bias[...] if self.lm_head is not None and self.lm_head.bias is not None else None

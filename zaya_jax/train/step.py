@@ -61,7 +61,8 @@ def loss_sums(model, batch, reset_at_documents: bool, ce_chunk_tokens: int | Non
         hidden, aux = model.model(batch["inputs"], **extra)
         bias = model.lm_head.bias[...] if model.lm_head is not None and model.lm_head.bias is not None else None
         total, counted = chunked_head_cross_entropy(hidden, model.head_weight(), batch["targets"], mask, bias=bias,
-                                                    chunk_tokens=ce_chunk_tokens, impl=model.cfg.ce_impl, mean=mean)
+                                                    chunk_tokens=ce_chunk_tokens, impl=model.cfg.ce_impl, mean=mean,
+                                                    weight_compute=model.head_weight_copy())
         return total, counted, aux.expert_counts
     logits, aux = model.forward(batch["inputs"], **extra)
     terms, counted = token_cross_entropy_terms(logits, batch["targets"], mask)
@@ -168,7 +169,7 @@ def make_accumulating_train_step(graphdef, tx: optax.GradientTransformation, bal
                 grad_view = deferred_wgrad.defer_expert_wgrads(view, tokens, gmm.block_rows(compute_dtype))
             tap_rows = embedding_rows_tap and not custom_grad_fn
             if tap_rows:
-                grad_view = embedding_tap.tap(grad_view, batches["inputs"].shape[1:3])
+                grad_view = embedding_tap.tap(grad_view, batches["inputs"].shape[1:3], compute_dtype)
 
             m = _group_size(k, grads_per_pass)
 
