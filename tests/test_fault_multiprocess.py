@@ -1,13 +1,27 @@
-"""The supervisor over a group of processes (one jax.distributed job): 2 processes x 2 emulated CPU devices, one
-of them killed with SIGKILL mid-run; the whole group restarts from the latest checkpoint and ends at the losses of
-its own first attempt at the first steps after the resume. And the uninterrupted 4-device run's mid-run checkpoint,
-resumed on 2 devices, continues with that run's losses. Runs through zaya_jax/systems/scaling_runs.py, the code of `launch.scaling`'s
-restore and supervisor parts (launch.train, and launch.train under launch.supervise --nproc 2)."""
+"""The supervisor over a group of processes (one jax.distributed job).
+
+In the default run, with stand-in ranks (a few lines of Python, no jax): 2 ranks get their jax.distributed
+variables and their emulated devices; one rank killed with SIGKILL while the other waits (as on a collective) stops
+the group, which restarts whole.
+
+Marked slow (`./run.sh test -m slow`), the real trainers: 2 processes x 2 emulated CPU devices, one of them killed
+with SIGKILL mid-run; the whole group restarts from the latest checkpoint and ends at the losses of its own first
+attempt at the first steps after the resume. And the uninterrupted 4-device run's mid-run checkpoint, resumed on 2
+devices, continues with that run's losses. Runs through zaya_jax/systems/scaling_runs.py, the code of
+`launch.scaling`'s restore and supervisor parts (launch.train, and launch.train under launch.supervise --nproc 2).
+The default run checks their parts at smaller scale: 2 processes x 4 devices training like 1 x 8, and checkpoints
+resuming on fewer devices (tests/test_parallel_train.py, tests/test_train.py), a killed single trainer restarted by
+the supervisor (tests/test_fault_tolerance.py)."""
+
+import json
+import os
+import sys
 
 import jax
 import pytest
 
 from zaya_jax.fault.group import GroupError, GroupSpec, rank_env
+from zaya_jax.fault.supervisor import Supervisor, SupervisorConfig
 from zaya_jax.systems.scaling_runs import (
     RunPlan,
     reference,
@@ -32,6 +46,48 @@ def test_rank_environment():
         GroupSpec(nproc=0)
 
 
+# A stand-in rank: logs its environment; on the group's first start rank 1 dies by SIGKILL and rank 0 waits as if
+# blocked on a collective with it (only the supervisor's stop can end it); on the second start both finish.
+RANK = """
+import json, os, signal, sys, time
+workdir = sys.argv[1]
+rank = os.environ["ZAYA_PROCESS_ID"]
+keys = ("ZAYA_PROCESS_ID", "ZAYA_NUM_PROCESSES", "JAX_COORDINATOR_ADDRESS", "XLA_FLAGS")
+with open(os.path.join(workdir, "ranks.jsonl"), "a") as f:
+    f.write(json.dumps({**{k: os.environ.get(k) for k in keys}, "pid": os.getpid()}) + "\\n")
+marker = os.path.join(workdir, "started_" + rank)
+if not os.path.exists(marker):
+    open(marker, "w").close()
+    if rank == "1":
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(120)
+"""
+
+
+def test_a_dead_rank_stops_and_restarts_the_whole_group(tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    cfg = SupervisorConfig(workdir=str(tmp_path), command=[sys.executable, str(script), str(tmp_path)], backoff_s=0.1,
+                           poll_s=0.1, peer_grace_s=5.0, group=GroupSpec(nproc=2, devices_per_process=2,
+                                                                         platform="cpu"))
+    assert Supervisor(cfg).run() == 0
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [(e["event"], e.get("how"), e.get("rank")) for e in events] == [
+        ("start", None, None), ("restart", "signal 9", 1), ("start", None, None), ("done", None, None)]
+    ranks = [json.loads(line) for line in (tmp_path / "ranks.jsonl").read_text().splitlines()]
+    assert len(ranks) == 4 and {r["pid"] for r in ranks} == set(events[0]["pids"] + events[2]["pids"])
+    for start in (events[0], events[2]):
+        group = sorted((r for r in ranks if r["pid"] in start["pids"]), key=lambda r: r["ZAYA_PROCESS_ID"])
+        assert [(r["ZAYA_PROCESS_ID"], r["ZAYA_NUM_PROCESSES"]) for r in group] == [("0", "2"), ("1", "2")]
+        assert group[0]["JAX_COORDINATOR_ADDRESS"] == group[1]["JAX_COORDINATOR_ADDRESS"]
+        assert all(r["XLA_FLAGS"].split()[-1] == "--xla_force_host_platform_device_count=2" for r in group)
+    for pid in events[0]["pids"]:  # rank 0 of the first start was stopped, not left waiting
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+@pytest.mark.slow
 def test_killed_rank_restarts_the_group_and_a_checkpoint_resumes_on_fewer_devices(tmp_path, monkeypatch):
     # the trainers share the tests' compilation cache (and conftest's XLA_FLAGS: no LLVM optimisation)
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", jax.config.jax_compilation_cache_dir)
