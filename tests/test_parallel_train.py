@@ -2,8 +2,10 @@
 the replicated run; a ZeRO-1-sharded checkpoint saved on 8 devices resumes on 4, 2 and 1 with the losses of the
 uninterrupted run; 2 processes x 4 devices (jax.distributed) train as 1 process x 8.
 
-Every run is its own process (`python tests/test_parallel_train.py RUN.json`), so it can choose its device and
-process count, and compiles with LLVM optimisation off (these programs run a few steps; compile time dominates).
+A one-process run trains in this process on the first N of its 8 emulated devices (as tests/test_train.py does);
+the 2-process run starts its processes (`python tests/test_parallel_train.py RUN.json`), which compile with LLVM
+optimisation off like this one (these programs run a few steps; compile time dominates) and share its compilation
+cache.
 """
 
 import json
@@ -41,26 +43,32 @@ def _env(devices: int) -> dict:
 
 
 def train(workdir: str, **spec) -> tuple[dict[int, float], list[str]]:
-    """Runs the trainer in fresh processes (spec: devices, context, zero1, attention, steps, processes) and returns
-    the losses it logged for the steps it trained, and each process's output."""
+    """Runs the trainer (spec: devices, context, zero1, attention, steps, processes) and returns the losses it logged
+    for the steps it trained, and each process's output (one process: its log lines)."""
     os.makedirs(workdir, exist_ok=True)
     metrics = os.path.join(workdir, "metrics.jsonl")
     if os.path.exists(metrics):
         os.remove(metrics)
     processes = spec.get("processes", 1)
-    devices_each = spec.get("devices_per_process", 8)
-    run_spec = json.dumps(dict(spec, workdir=workdir))
-    env = _env(devices_each)
-    if processes > 1:
+    if processes == 1:
+        from zaya_jax.train.loop import run
+        lines = []
+        run(_config(spec), workdir, log=lambda line, *_: lines.append(str(line)))
+        outs = ["\n".join(lines)]
+    else:
+        devices_each = spec.get("devices_per_process", 8)
+        run_spec = json.dumps(dict(spec, workdir=workdir))
+        env = _env(devices_each)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         env.update(ZAYA_NUM_PROCESSES=str(processes), JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}")
-    procs = [subprocess.Popen([sys.executable, __file__, run_spec], env=dict(env, ZAYA_PROCESS_ID=str(i)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(processes)]
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out[-4000:]
+        procs = [subprocess.Popen([sys.executable, __file__, run_spec], env=dict(env, ZAYA_PROCESS_ID=str(i)),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for i in range(processes)]
+        outs = [p.communicate(timeout=600)[0] for p in procs]
+        for p, out in zip(procs, outs):
+            assert p.returncode == 0, out[-4000:]
     with open(metrics) as f:
         return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}, outs
 
