@@ -86,16 +86,17 @@ def test_a_per_layer_view_of_a_scanned_model_is_named():
 
 
 def accumulating_step(devices: int, compute_dtype, *, unrolled: bool = False, per_layer: bool = False):
+    """(the jitted step traced once: its jaxpr, and its lowering to compile), initial state, stacked batches."""
     cfg = bf16_config(scan_layers=not unrolled)
     _, state, step, mesh = accumulating_setup(cfg, devices, compute_dtype=compute_dtype, per_layer_view=per_layer)
     batches = jax.device_put(stacked_batches(cfg), NamedSharding(mesh, P(None, "data")))
     run = jax.jit(step, out_shardings=(jax.tree.map(lambda x: x.sharding, state), NamedSharding(mesh, P())))
-    return (run, step), state, batches
+    return run.trace(state, batches), state, batches
 
 
-def ops_on(step, state, batches, primitives, in_dtype, out_dtype, shapes) -> list[bool]:
-    """For each equation of one of `primitives` in the step's jaxpr taking an `in_dtype` array of one of `shapes` to
-    an `out_dtype` one: whether it sits inside the microbatch loop (the step's top-level scan)."""
+def ops_on(traced, primitives, in_dtype, out_dtype, shapes) -> list[bool]:
+    """For each equation of one of `primitives` in the traced step's jaxpr taking an `in_dtype` array of one of
+    `shapes` to an `out_dtype` one: whether it sits inside the microbatch loop (the step's top-level scan)."""
     found = []
 
     def walk(jaxpr, inside):
@@ -109,7 +110,7 @@ def ops_on(step, state, batches, primitives, in_dtype, out_dtype, shapes) -> lis
                     if hasattr(sub, "eqns"):
                         walk(sub, inside or (jaxpr is top and eqn.primitive.name == "scan"))
 
-    top = jax.make_jaxpr(step)(state, batches).jaxpr
+    top = getattr(traced.jaxpr, "jaxpr", traced.jaxpr)
     walk(top, False)
     return found
 
@@ -121,24 +122,23 @@ SLICING = ("slice", "dynamic_slice", "gather", "squeeze")
 @pytest.mark.parametrize("devices, per_layer", [(1, False), (4, False), (4, True)],
                          ids=["one_device", "zero1_4_devices", "zero1_4_devices_per_layer"])
 def test_the_accumulating_step_with_the_view_matches_the_step_without(devices, per_layer):
-    (with_view, step_view), state, batches = accumulating_step(devices, "bfloat16", unrolled=per_layer,
-                                                               per_layer=per_layer)
-    (without, step_plain), _, _ = accumulating_step(devices, None, unrolled=per_layer)
+    step_view, state, batches = accumulating_step(devices, "bfloat16", unrolled=per_layer, per_layer=per_layer)
+    step_plain, _, _ = accumulating_step(devices, None, unrolled=per_layer)
     # the experts' weights ([E, out, in] per layer) are cast before the microbatch loop, not in it
     experts = {x.shape for x in jax.tree.leaves(leaf_at(state["params"], ("model", "layers", "mlp", "experts")))}
     layer_shapes = {s[1:] for s in experts}
     f32, bf16 = jnp.float32, jnp.bfloat16
     convert = ("convert_element_type",)
-    assert any(ops_on(step_plain, state, batches, convert, f32, bf16, layer_shapes)), "control: the loop casts them"
-    view_casts = ops_on(step_view, state, batches, convert, f32, bf16, experts | layer_shapes)
+    assert any(ops_on(step_plain, convert, f32, bf16, layer_shapes)), "control: the loop casts them"
+    view_casts = ops_on(step_view, convert, f32, bf16, experts | layer_shapes)
     assert view_casts and not any(view_casts)
     if per_layer:  # and sliced there: the loop never indexes stacked experts but for the accumulator's rows
-        (_, step_stacked), _, _ = accumulating_step(devices, "bfloat16", unrolled=True)
-        assert any(ops_on(step_stacked, state, batches, SLICING, bf16, bf16, experts)), "control: stacked view"
-        assert not ops_on(step_view, state, batches, SLICING, bf16, bf16, experts)
-        assert not all(ops_on(step_view, state, batches, SLICING, f32, f32, experts)), "sliced before the loop"
-    got, got_metrics = jax.device_get(with_view(state, batches))
-    want, want_metrics = jax.device_get(without(state, batches))
+        step_stacked, _, _ = accumulating_step(devices, "bfloat16", unrolled=True)
+        assert any(ops_on(step_stacked, SLICING, bf16, bf16, experts)), "control: stacked view"
+        assert not ops_on(step_view, SLICING, bf16, bf16, experts)
+        assert not all(ops_on(step_view, SLICING, f32, f32, experts)), "sliced before the loop"
+    got, got_metrics = jax.device_get(step_view.lower().compile()(state, batches))
+    want, want_metrics = jax.device_get(step_plain.lower().compile()(state, batches))
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got_metrics["loss"], want_metrics["loss"], rtol=1e-6)
