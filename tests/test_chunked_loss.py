@@ -139,8 +139,8 @@ def test_train_loss_with_chunked_head_equals_full_head():
     ids = jax.random.randint(jax.random.key(1), (B, T + 1), 0, cfg.vocab_size)
     batch = dict(inputs=ids[:, :-1], targets=ids[:, 1:], loss_mask=jnp.ones((B, T)),
                  source_ids=jnp.array([0, -1], jnp.int32))  # second row: padding, never counted
-    full = jax.value_and_grad(make_loss_fn(graphdef, False), has_aux=True)
-    chunked = jax.value_and_grad(make_loss_fn(graphdef, False, ce_chunk_tokens=10), has_aux=True)
+    full = jax.jit(jax.value_and_grad(make_loss_fn(graphdef, False), has_aux=True))
+    chunked = jax.jit(jax.value_and_grad(make_loss_fn(graphdef, False, ce_chunk_tokens=10), has_aux=True))
     (l0, c0), g0 = full(params, state, batch)
     (l1, c1), g1 = chunked(params, state, batch)
     np.testing.assert_allclose(l1, l0, rtol=1e-6)

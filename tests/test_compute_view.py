@@ -94,9 +94,9 @@ def accumulating_step(devices: int, compute_dtype, *, unrolled: bool = False, pe
     return run.trace(state, batches), state, batches
 
 
-def ops_on(traced, primitives, in_dtype, out_dtype, shapes) -> list[bool]:
-    """For each equation of one of `primitives` in the traced step's jaxpr taking an `in_dtype` array of one of
-    `shapes` to an `out_dtype` one: whether it sits inside the microbatch loop (the step's top-level scan)."""
+def ops_in(jaxpr, primitives, in_dtype, out_dtype, shapes) -> list[bool]:
+    """For each equation of one of `primitives` in a step's jaxpr taking an `in_dtype` array of one of `shapes` to an
+    `out_dtype` one: whether it sits inside the microbatch loop (the step's top-level scan)."""
     found = []
 
     def walk(jaxpr, inside):
@@ -110,9 +110,14 @@ def ops_on(traced, primitives, in_dtype, out_dtype, shapes) -> list[bool]:
                     if hasattr(sub, "eqns"):
                         walk(sub, inside or (jaxpr is top and eqn.primitive.name == "scan"))
 
-    top = getattr(traced.jaxpr, "jaxpr", traced.jaxpr)
+    top = getattr(jaxpr, "jaxpr", jaxpr)
     walk(top, False)
     return found
+
+
+def ops_on(step, state, batches, primitives, in_dtype, out_dtype, shapes) -> list[bool]:
+    """ops_in of the step's jaxpr at (state, batches)."""
+    return ops_in(jax.make_jaxpr(step)(state, batches), primitives, in_dtype, out_dtype, shapes)
 
 
 SLICING = ("slice", "dynamic_slice", "gather", "squeeze")
@@ -129,14 +134,14 @@ def test_the_accumulating_step_with_the_view_matches_the_step_without(devices, p
     layer_shapes = {s[1:] for s in experts}
     f32, bf16 = jnp.float32, jnp.bfloat16
     convert = ("convert_element_type",)
-    assert any(ops_on(step_plain, convert, f32, bf16, layer_shapes)), "control: the loop casts them"
-    view_casts = ops_on(step_view, convert, f32, bf16, experts | layer_shapes)
+    assert any(ops_in(step_plain.jaxpr, convert, f32, bf16, layer_shapes)), "control: the loop casts them"
+    view_casts = ops_in(step_view.jaxpr, convert, f32, bf16, experts | layer_shapes)
     assert view_casts and not any(view_casts)
     if per_layer:  # and sliced there: the loop never indexes stacked experts but for the accumulator's rows
         step_stacked, _, _ = accumulating_step(devices, "bfloat16", unrolled=True)
-        assert any(ops_on(step_stacked, SLICING, bf16, bf16, experts)), "control: stacked view"
-        assert not ops_on(step_view, SLICING, bf16, bf16, experts)
-        assert not all(ops_on(step_view, SLICING, f32, f32, experts)), "sliced before the loop"
+        assert any(ops_in(step_stacked.jaxpr, SLICING, bf16, bf16, experts)), "control: stacked view"
+        assert not ops_in(step_view.jaxpr, SLICING, bf16, bf16, experts)
+        assert not all(ops_in(step_view.jaxpr, SLICING, f32, f32, experts)), "sliced before the loop"
     got, got_metrics = jax.device_get(step_view.lower().compile()(state, batches))
     want, want_metrics = jax.device_get(step_plain.lower().compile()(state, batches))
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
