@@ -22,9 +22,10 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 # The files that take longest on 2 cores (cold compilation cache), run first: with one file per xdist worker
 # (run.sh: --dist loadfile --no-loadscope-reorder) a long file scheduled last leaves the other worker idle.
-LONGEST_FIRST = ("test_parallel_train", "test_train_accumulation", "test_train", "test_fault_multiprocess",
-                 "test_compute_view", "test_fault_tolerance", "test_scaling", "test_parallel_zero1", "test_bench_train",
-                 "test_pallas_model", "test_inference_lm_eval")
+LONGEST_FIRST = ("test_parallel_train", "test_parallel_context", "test_train_accumulation", "test_pallas_attention",
+                 "test_compute_view", "test_deferred_wgrad", "test_fault_tolerance", "test_bench_train",
+                 "test_inference_lm_eval", "test_train", "test_pallas_model", "test_pallas_grouped_matmul",
+                 "test_pallas_cca_conv", "test_hf_parity", "test_chunked_loss", "test_parallel_zero1")
 
 
 def _file_rank(item):

@@ -44,9 +44,13 @@ def _model():
                head_dim=8, moe_intermediate_size=32, num_experts=4, router_hidden_size=8, dtype="float32",
                remat="none", attention_bias=True)
     graphdef, params, model_state = nnx.split(ZayaForCausalLM(cfg, seed=0), nnx.Param, BalancingBias)
-    leaves, treedef = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(1), len(leaves))
-    params = treedef.unflatten([p + 0.1 * jax.random.normal(k, p.shape) for p, k in zip(leaves, keys)])
+    @jax.jit  # one program for every leaf's draw (eager: one per leaf shape)
+    def perturb(params):
+        leaves, treedef = jax.tree.flatten(params)
+        keys = jax.random.split(jax.random.key(1), len(leaves))
+        return treedef.unflatten([p + 0.1 * jax.random.normal(k, p.shape) for p, k in zip(leaves, keys)])
+
+    params = perturb(params)
     return cfg, graphdef, params, model_state
 
 

@@ -161,8 +161,9 @@ def one_device_losses(tmp_path_factory):
     return train(str(tmp_path_factory.mktemp("one_device")), devices=1, steps=2)[0]
 
 
-# data > 1 with ZeRO-1 is covered above and in test_parallel_train; these are the pure-context layouts that failed
-@pytest.mark.parametrize("data,context,attention", [(1, 2, "allgather"), (1, 4, "ring")])
+# data > 1 with ZeRO-1 is covered above and in test_parallel_train (data 4 x context 2, ring attention); this is the
+# pure-context layout that failed (context 4 and 8: tests/test_parallel_context.py, the model's CP gradients)
+@pytest.mark.parametrize("data,context,attention", [(1, 2, "allgather")])
 def test_trainer_with_zero1_over_context_trains_like_one_device(one_device_losses, tmp_path, data, context,
                                                                attention):
     """The real trainer (own process, as tests/test_parallel_train.py runs it) with ZeRO-1 and context parallelism,

@@ -1,7 +1,12 @@
 """`python -m launch.scaling --cpu-smoke`: the multi-GPU scaling report's code on 2 emulated CPU devices with tiny
 shapes (DP weak scaling, CP equality; the collectives sweep is tested in tests/test_systems_collectives.py, the
 restore and supervisor parts' code in tests/test_fault_multiprocess.py). Checks what each part reports, not how
-fast the CPU is."""
+fast the CPU is.
+
+The report run is marked slow (an orchestrator and one process per part, ~2 minutes on 2 cores; `./run.sh test -m
+slow`): the default run checks its parts at smaller scale, context-parallel logits and gradients equal to one
+device's (tests/test_parallel_context.py) and the trainer on 1 and several devices training alike
+(tests/test_parallel_train.py), and the supervisor verdict below."""
 
 import json
 import os
@@ -14,6 +19,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_cpu_smoke_report(tmp_path):
     out = tmp_path / "scaling.json"
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir,
