@@ -5,8 +5,10 @@ scatter-add of the looked-up rows' gradients). Summed in the microbatch, they le
 scatter, so the pass's sum over microbatches became one more fp32 pass over k + 1 tables of V x D: 2.4 ms per pass of
 4 microbatches of 8192 tokens at the bench widths (benchmarks/train_h200_profile_accum16_defer.json,
 loop_add_fusion.87). With the lookup's gradient taken out as rows (a zero tap added to the looked-up rows), the
-table's gradient is the head GEMM alone, which cuBLAS adds to the fp32 sum in place (beta = 1), and the rows are
-scattered into the sum after it: the same terms, summed in another order.
+table's gradient is the head GEMM alone and the rows are scattered into the sum after the pass: the same terms,
+summed in another order. (Measured on the H200: XLA folds the first head GEMM of a pass into the sum, cuBLAS
+beta = 1, but still sums the other three in a separate fusion, whichever order the adds are written in; the tap
+with the head copy below gains 0.5% at 16 microbatches, benchmarks/train_h200.json's accum16_no_rows_tap row.)
 
 The tap also carries the table cast once per step to the compute dtype for the head GEMMs (without it the cast ran
 once per pass of the microbatch loop: 0.75 ms a pass at the bench widths); the head's gradient is still formed

@@ -98,13 +98,9 @@ def make_local_loss_sums(graphdef, reset_at_documents: bool, cp: ContextParallel
 
 
 def _accumulate(total, *grads):
-    """total + grads[0] + grads[1] + ... in fp32, in that order: one pass over the sum for all of them.
-
-    Each add is written gradient + sum: XLA's GEMM rewriter, given add(a, b), folds the add into the GEMM that
-    produced `a` (cuBLAS beta = 1) and gives up if that one already adds. Written sum + gradient, only the first of a
-    pass's head gradients [V, D] took the add; the others were summed by a separate pass over all of them."""
+    """total + grads[0] + grads[1] + ... in fp32, in that order: one pass over the sum for all of them."""
     for g in grads:
-        total = g.astype(jnp.float32) + total
+        total = total + g.astype(jnp.float32)
     return total
 
 
