@@ -19,7 +19,7 @@ from test_train_accumulation import accumulating_setup, stacked_batches
 
 from zaya_jax.config import preset
 from zaya_jax.model import ZayaForCausalLM
-from zaya_jax.model.compute_view import COMPUTE_DTYPE_LEAVES, compute_view
+from zaya_jax.model.compute_view import COMPUTE_DTYPE_LEAVES, compute_view, tree_get
 from zaya_jax.model.base import BalancingBias
 from zaya_jax.model.layer_stack import LayerSlices, stack_layer_slices
 from zaya_jax.train.step import make_loss_fn
@@ -29,23 +29,17 @@ def bf16_config(scan_layers=True):
     return preset("tiny", dtype="bfloat16", num_hidden_layers=2, remat="none", scan_layers=scan_layers)
 
 
-def leaf_at(tree, path):
-    for key in path:
-        tree = tree[key]
-    return tree
-
-
 def test_every_listed_leaf_exists_and_is_cast():
     cfg = bf16_config()
     _, params, _ = nnx.split(nnx.eval_shape(lambda: ZayaForCausalLM(cfg, seed=0)), nnx.Param, BalancingBias)
     params = nnx.to_pure_dict(params)
     view = jax.eval_shape(lambda p: compute_view(p, cfg.dtype), params)
     for path in COMPUTE_DTYPE_LEAVES:
-        assert leaf_at(params, path).dtype == jnp.float32, path
-        assert leaf_at(view, path).dtype == jnp.bfloat16, path
+        assert tree_get(params, path).dtype == jnp.float32, path
+        assert tree_get(view, path).dtype == jnp.bfloat16, path
     cast = sum(a.dtype != b.dtype for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(view)))
     assert cast == len(COMPUTE_DTYPE_LEAVES)
-    assert leaf_at(view, ("model", "embed_tokens", "weight")).dtype == jnp.float32  # the lookup reads it in fp32
+    assert tree_get(view, ("model", "embed_tokens", "weight")).dtype == jnp.float32  # the lookup reads it in fp32
 
 
 def assert_same_grads(got, want):
@@ -56,7 +50,8 @@ def assert_same_grads(got, want):
 
 # the stacked view with full logits, the per-layer view with the trainer's chunked CE (the view does not touch the
 # head): each CE path and each view once
-@pytest.mark.parametrize("ce_chunk, per_layer", [(None, False), (16, True)], ids=["full_logits", "chunked_ce_per_layer"])
+@pytest.mark.parametrize("ce_chunk, per_layer", [(None, False), (16, True)],
+                         ids=["full_logits", "chunked_ce_per_layer"])
 def test_loss_and_gradients_at_the_view_equal_those_at_the_parameters(ce_chunk, per_layer):
     cfg = bf16_config(scan_layers=not per_layer)
     graphdef, params, model_state = nnx.split(ZayaForCausalLM(cfg, seed=3), nnx.Param, BalancingBias)
@@ -66,7 +61,7 @@ def test_loss_and_gradients_at_the_view_equal_those_at_the_parameters(ce_chunk, 
     (loss, counts), want = grad(params, model_state, batch)
     view = compute_view(params, cfg.dtype, per_layer=per_layer)
     if per_layer:
-        experts = leaf_at(view, ("model", "layers", "mlp", "experts", "down_proj"))
+        experts = tree_get(view, ("model", "layers", "mlp", "experts", "down_proj"))
         assert isinstance(experts, LayerSlices) and len(experts.slices) == cfg.num_hidden_layers
         assert experts.dtype == jnp.bfloat16
     (loss_v, counts_v), got = grad(view, model_state, batch)
@@ -130,7 +125,7 @@ def test_the_accumulating_step_with_the_view_matches_the_step_without(devices, p
     step_view, state, batches = accumulating_step(devices, "bfloat16", unrolled=per_layer, per_layer=per_layer)
     step_plain, _, _ = accumulating_step(devices, None, unrolled=per_layer)
     # the experts' weights ([E, out, in] per layer) are cast before the microbatch loop, not in it
-    experts = {x.shape for x in jax.tree.leaves(leaf_at(state["params"], ("model", "layers", "mlp", "experts")))}
+    experts = {x.shape for x in jax.tree.leaves(tree_get(state["params"], ("model", "layers", "mlp", "experts")))}
     layer_shapes = {s[1:] for s in experts}
     f32, bf16 = jnp.float32, jnp.bfloat16
     convert = ("convert_element_type",)

@@ -166,9 +166,9 @@ def one_device_losses(tmp_path_factory):
 @pytest.mark.parametrize("data,context,attention", [(1, 2, "allgather")])
 def test_trainer_with_zero1_over_context_trains_like_one_device(one_device_losses, tmp_path, data, context,
                                                                attention):
-    """The real trainer (own process, as tests/test_parallel_train.py runs it) with ZeRO-1 and context parallelism,
-    data = 1 included: the gradients' ZeRO-1 layout then splits only 'context', and their reduction must not leave
-    them varying over the (size-1) node axis."""
+    """The real trainer (in this process, as tests/test_parallel_train.py runs one-process runs) with ZeRO-1 and
+    context parallelism, data = 1 included: the gradients' ZeRO-1 layout then splits only 'context', and their
+    reduction must not leave them varying over the (size-1) node axis."""
     from test_parallel_train import train
     got, outs = train(str(tmp_path), devices=data * context, context=context, attention=attention, steps=2)
     axes = "'context'," if data == 1 else "'data', 'context'"
