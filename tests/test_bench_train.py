@@ -56,6 +56,17 @@ def test_selection_and_validation():
         Variant("x", 2, 32, accum=4)
 
 
+def test_cudnn_attention_on_nvidia_and_the_pallas_kernel_as_its_ab():
+    """On NVIDIA every default variant runs cuDNN's attention (the fastest there); elsewhere the Pallas kernel (GPU)
+    or XLA (CPU); the *_pallas_attn extras keep the Pallas side of the A/B."""
+    for gpu, cudnn, want in ((True, True, "cudnn"), (True, False, "pallas"), (False, False, "xla")):
+        vs, searches = default_variants(2, 4096, gpu=gpu, long_seq=32768, ladder=[4], accums=[16], cudnn=cudnn)
+        assert {v.attention_impl for v in vs} | {c.attention_impl for s in searches for c in s.candidates} == {want}
+    extras = {v.name: v for v in extra_variants(2, 4096, True, cudnn=True)}
+    assert extras["accum16_ce4096"].attention_impl == "cudnn"
+    assert extras["accum16_pallas_attn"].attention_impl == extras["fwd_bwd_pallas_attn"].attention_impl == "pallas"
+
+
 def test_the_ce_chunk_option_leaves_the_other_side_of_an_ab_alone():
     """--ce-chunk sets the head chunk of the variants on the default one; an A/B variant naming its own chunk (or full
     logits) keeps it, else fwd_bwd_ce4096 would time the same program as fwd_bwd."""

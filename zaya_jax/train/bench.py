@@ -102,6 +102,7 @@ def run(args) -> dict:
     import jax
 
     from pallas_kernels._bench import gemm_ceiling_tflops
+    from pallas_kernels._platform import vendor
     from zaya_jax.config import preset
     from zaya_jax.train import bench_memory, bench_profile
     from zaya_jax.train.bench_hf_driver import HFProcess
@@ -114,6 +115,7 @@ def run(args) -> dict:
     clock = Clock(args.time_budget)
     dev = jax.devices()[0]
     gpu = dev.platform == "gpu"
+    cudnn = gpu and vendor() == "cuda"  # cuDNN's attention is the fastest there (main_variant)
     report = {"device": dev.device_kind, "platform": dev.platform, "jax_version": jax.__version__,
               "preset": args.preset, "batch": args.batch, "seq": args.seq, "dtype": args.dtype, "steps": args.steps,
               "warmup": args.warmup, "memory_env": MEMORY_ENV, "variants": {},
@@ -135,8 +137,8 @@ def run(args) -> dict:
         os.replace(args.out + ".tmp", args.out)
 
     variants, searches = default_variants(args.batch, args.seq, gpu, args.long_seq, ints(args.batch_ladder),
-                                          ints(args.accum), args.ladder_remat)
-    variants, searches = select(variants, searches, extra_variants(args.batch, args.seq, gpu), args.variants,
+                                          ints(args.accum), args.ladder_remat, cudnn)
+    variants, searches = select(variants, searches, extra_variants(args.batch, args.seq, gpu, cudnn), args.variants,
                                 args.skip)
     variants = [with_ce_chunk(v, args.ce_chunk) for v in variants]
     searches = [dataclasses.replace(s, candidates=tuple(with_ce_chunk(c, args.ce_chunk) for c in s.candidates))

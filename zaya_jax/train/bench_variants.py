@@ -79,22 +79,25 @@ def context_name(seq: int) -> str:
     return f"ctx{seq // 1024}k" if seq % 1024 == 0 else f"ctx{seq}"
 
 
-def main_variant(batch: int, seq: int, gpu: bool) -> Variant:
+def main_variant(batch: int, seq: int, gpu: bool, cudnn: bool = False) -> Variant:
     """Our step as the trainer runs it on this platform. On the GPU: the Pallas attention, norms, cross-entropy, CCA
     q/k mixing, grouped-GEMM experts and Gram kernel, layers unrolled (fwd+bwd 83.7 ms against 103.9 under lax.scan on the H200,
-    benchmarks/train_h200_explore.json). The CPU keeps XLA's ops and the scan: the Pallas kernels only run
-    interpreted there, and a dry run should compile fast."""
+    benchmarks/train_h200_explore.json). On NVIDIA (`cudnn`) the attention is cuDNN's, the fastest there (the 16
+    microbatch step 1245.7 against 1266.4 ms with the Pallas kernel, benchmarks/train_h200_accum16_ab.json); one
+    device only, see train/loop.py. The CPU keeps XLA's ops and the scan: the Pallas kernels only run interpreted
+    there, and a dry run should compile fast."""
     fast = "pallas" if gpu else "xla"
-    return Variant("main", batch, seq, attention_impl=fast, norm_impl=fast, ce_impl=fast, conv_impl=fast,
-                   moe_impl="pallas" if gpu else "ragged",
+    return Variant("main", batch, seq, attention_impl="cudnn" if cudnn else fast, norm_impl=fast, ce_impl=fast,
+                   conv_impl=fast, moe_impl="pallas" if gpu else "ragged",
                    muon_gram_impl=fast, scan_layers=not gpu,
-                   note="our full step: chunked CE, no remat, Muon (symmetric Gram kernel) + AdamW, Pallas kernels")
+                   note="our full step: chunked CE, no remat, Muon (symmetric Gram kernel) + AdamW, Pallas kernels"
+                        + (", cuDNN attention" if cudnn else ""))
 
 
 def default_variants(batch: int, seq: int, gpu: bool, long_seq: int, ladder: list[int], accums: list[int],
-                     ladder_remat: str = "none") -> tuple[list[Variant], list[Search]]:
+                     ladder_remat: str = "none", cudnn: bool = False) -> tuple[list[Variant], list[Search]]:
     """What the issue asks for, in priority order (compiled and timed in this order), and the memory searches."""
-    main = main_variant(batch, seq, gpu)
+    main = main_variant(batch, seq, gpu, cudnn)
     r = dataclasses.replace
     vs = [
         main,
@@ -136,9 +139,9 @@ GRADS_PER_PASS = 4
 PREVIOUS_MOE_TILING = (("fwd_stages", 3), ("dgrad_n", 128), ("dgrad_stages", 3), ("wgrad_k", 128))
 
 
-def extra_variants(batch: int, seq: int, gpu: bool) -> list[Variant]:
+def extra_variants(batch: int, seq: int, gpu: bool, cudnn: bool = False) -> list[Variant]:
     """Exploration, opt-in by name (--variants): measured before, not part of the issue's figures."""
-    main = main_variant(batch, seq, gpu)
+    main = main_variant(batch, seq, gpu, cudnn)
     r = dataclasses.replace
     fwd_bwd = r(main, name="fwd_bwd", kind="fwd_bwd")
     accum16 = r(main, name="accum16", kind="accum", accum=16, max_steps=2, grads_per_pass=GRADS_PER_PASS,
@@ -155,6 +158,8 @@ def extra_variants(batch: int, seq: int, gpu: bool) -> list[Variant]:
         r(fwd_bwd, name="fwd_bwd_scan", scan_layers=True, note="fwd_bwd with the layers under lax.scan"),
         r(fwd_bwd, name="fwd_bwd_cudnn_attn", attention_impl="cudnn" if gpu else "xla",
           note="fwd_bwd with cuDNN's attention"),
+        r(fwd_bwd, name="fwd_bwd_pallas_attn", attention_impl="pallas" if gpu else "xla",
+          note="fwd_bwd with the Pallas flash attention"),
         r(fwd_bwd, name="fwd_bwd_xla_norm", norm_impl="xla", note="fwd_bwd with XLA's norms"),
         r(fwd_bwd, name="fwd_bwd_xla_ce", ce_impl="xla", note="fwd_bwd with XLA's softmax cross-entropy"),
         r(fwd_bwd, name="fwd_bwd_ce4096", ce_chunk=4096, note="fwd_bwd, CE chunks of 4096 tokens"),
@@ -177,6 +182,8 @@ def extra_variants(batch: int, seq: int, gpu: bool) -> list[Variant]:
                "rows tap, model/embedding_tap.py)"),
         r(accum16, name="accum16_cudnn_attn", attention_impl="cudnn" if gpu else "xla",
           note="accum16 with cuDNN's attention"),
+        r(accum16, name="accum16_pallas_attn", attention_impl="pallas" if gpu else "xla",
+          note="accum16 with the Pallas flash attention"),
         r(accum16, name="accum16_xla_conv", conv_impl="xla",
           note="accum16 with XLA's CCA q/k mixing (both convolutions, mean residual paths)"),
         r(accum16, name="accum16_ce4096", ce_chunk=4096, note="accum16, CE chunks of 4096 tokens"),
