@@ -37,7 +37,7 @@ def test_selection_and_validation():
     vs, searches = default_variants(2, 4096, gpu=True, long_seq=32768, ladder=[4, 6, 8], accums=[4, 16])
     names = [v.name for v in vs]
     for want in ("main", "fwd", "fwd_bwd", "opt_zaya", "main_adamw", "opt_adamw", "moe_ragged", "accum4",
-                 "accum16"):
+                 "accum16", "ctx32k_accum4"):  # 32k with as many tokens per update as accum16
         assert want in names
     assert not any(n.endswith("_once") for n in names)  # the trainer's program IS the summed-once update
     assert {s.name: [c.name for c in s.candidates] for s in searches} == {
@@ -166,6 +166,8 @@ def test_report_ratios_and_derived_hf_accumulation():
         "accum16": step(16 * 0.2 + 0.18, kind="accum", accum=16,
                         tokens_per_s=16 * 8192 / (16 * 0.2 + 0.18)),
         "accum64": step(64 * 0.09, kind="accum", accum=64, tokens_per_s=64 * 8192 / (64 * 0.09)),
+        "ctx32k_accum16": step(16 * 0.4, kind="accum", accum=16, batch=1, seq=32768, mfu=0.45,
+                               tokens_per_s=16 * 32768 / (16 * 0.4)),
     }, "hf": {"batch": 2, "seq": 4096,
               "eager": {"median_s": 0.3, "tokens_per_s": 8192 / 0.3, "fwd_bwd_s": 0.25, "optimizer_s": 0.05},
               "compiled": {"median_s": 0.128, "tokens_per_s": 8192 / 0.128, "fwd_bwd_s": 0.11,
@@ -189,6 +191,11 @@ def test_report_ratios_and_derived_hf_accumulation():
     assert "MEASURED" in report["ratio_labels"]["ratio_vs_hf_accum64"]
     assert set(report["ratio_labels"]) == {"ratio_vs_hf", "ratio_vs_hf_same_optimizer", "ratio_vs_hf_accum16",
                                            "ratio_vs_hf_accum64", "ratio_vs_hf_bound_update_alone"}
+    # the long context against the 4k accumulation with as many tokens per update; never against HF's 4k figures
+    long = report["long_context_accumulated"]
+    assert long["vs"] == "accum64" and long["tokens_per_s_vs_4k"] == pytest.approx(64 * 0.09 / (16 * 0.4))
+    assert long["mfu_vs_4k"] == pytest.approx(0.45 / (0.1 * 0.4 / (64 * 0.09)))
+    assert "hf_tokens_per_s_derived" not in report["accumulation"]["ctx32k_accum16"]
     bd = report["breakdown"]
     assert bd["optimizer_share"] == pytest.approx(0.18 / 0.4) and bd["backward_ms_derived"] == pytest.approx(140)
     assert report["hf_breakdown"]["optimizer_ms"] == pytest.approx(18)

@@ -117,6 +117,14 @@ def default_variants(batch: int, seq: int, gpu: bool, long_seq: int, ladder: lis
                          f"summed in fp32 over a scan, {GRADS_PER_PASS} microbatches per pass, the expert weight "
                          "gradients of a pass formed after it, one Muon + AdamW update"))
     ctx = context_name(long_seq)
+    if accums and (max(accums) * batch * seq) % long_seq == 0:
+        # the long context through the trainer's accumulating program with as many tokens per update as the largest
+        # 4k accumulation: the like-for-like comparison of tokens/s per context length (both updates amortised)
+        k = max(accums) * batch * seq // long_seq
+        vs.append(r(main, name=f"{ctx}_accum{k}", kind="accum", accum=k, batch=1, seq=long_seq, max_steps=2,
+                    big=True, grads_per_pass=GRADS_PER_PASS, defer_expert_wgrad=True,
+                    note=f"one optimizer step of {k} microbatches of 1x{long_seq} (as many tokens per update as "
+                         f"accum{max(accums)}), the trainer's program"))
     searches = [
         Search(ctx, "first", tuple(
             r(main, name=ctx + ("" if remat == "none" else f"_remat_{remat}"), batch=1, seq=long_seq, remat=remat,
