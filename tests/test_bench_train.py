@@ -290,3 +290,20 @@ def test_rejected_override_and_state_rebuilt_after_failure(tmp_path):
     runner.items["main"]["compiled"] = compiled
     res = runner.run_variant(main, float("inf"))  # a fresh state is built
     assert res["loss_finite"] and res["tokens_per_s"] > 0
+
+
+def test_stream_gaps_count_the_idle_time_before_each_kernel():
+    """The busiest stream's idle time is attributed to the kernel that ends each wait; overlapping events on the
+    stream do not count as idle."""
+    from types import SimpleNamespace as NS
+    from zaya_jax.train import bench_profile
+    ev = lambda name, start, end: NS(name=name, start_ns=start * 1_000_000, end_ns=end * 1_000_000)
+    stream = NS(name="Stream #1", events=[ev("nvjet_gemm", 0, 10), ev("cca_attention_fwd", 14, 20),
+                                          ev("loop_fusion", 18, 22), ev("cca_attention_fwd", 30, 31)])
+    quiet = NS(name="Stream #2", events=[ev("memcpy", 0, 1)])
+    pd = NS(planes=[NS(name="/device:GPU:0", lines=[quiet, stream])])
+    got = bench_profile.stream_gaps(pd, reps=2)  # per call: half of each total
+    assert got["span_ms_per_call"] == 15.5 and got["busy_ms_per_call"] == 10.5
+    assert got["idle_ms_per_call"] == 6.0 and got["kernels_per_call"] == 2
+    assert got["idle_before_kernel_ms"] == [["cca_attention_fwd", 6.0]]
+    assert got["idle_before_class_ms"] == {"attention": 6.0}

@@ -102,15 +102,50 @@ def breakdown(pd, op_names: dict, reps: int, gpu: bool, forward_only: bool, sour
                                    (by_source, f"{phase[:3]} {sources.get(hlo, '(no project frame)')}"),
                                    (by_instr, instructions.get(hlo, hlo or ev.name[:60]))):
                     table[key] = table.get(key, 0) + d
-    top = lambda dct, n, w=200: [[k[:w], round(t, 3)] for k, t in sorted(dct.items(), key=lambda kv: -kv[1])[:n]]
-    return {"kernel_ms_per_step": total, "by_phase_ms": dict(top(by_phase, 10)), "by_class_ms": dict(top(by_class, 20)),
-            "top_ops_ms": top(by_op, 60), "top_kernels_ms": top(by_name, 40), "top_sources_ms": top(by_source, 60),
-            "top_instructions_ms": top(by_instr, 200, 240)}
+    return {"kernel_ms_per_step": total, "by_phase_ms": dict(_top(by_phase, 10)),
+            "by_class_ms": dict(_top(by_class, 20)), "top_ops_ms": _top(by_op, 60), "top_kernels_ms": _top(by_name, 40),
+            "top_sources_ms": _top(by_source, 60), "top_instructions_ms": _top(by_instr, 200, 240),
+            **({"busiest_stream": stream_gaps(pd, reps)} if gpu else {})}
+
+
+def _top(dct: dict, n: int, width: int = 200) -> list:
+    return [[k[:width], round(t, 3)] for k, t in sorted(dct.items(), key=lambda kv: -kv[1])[:n]]
+
+
+def stream_gaps(pd, reps: int) -> dict:
+    """Where the GPU waits: on the stream with the most kernel time, its span, busy and idle time per call, and the
+    idle time before each kernel (by class and by name). Two programs with the same kernel time can differ here, e.g.
+    by launches that do not keep ahead of the GPU."""
+    best = None
+    for plane in pd.planes:
+        if plane.name.startswith("/device:GPU"):
+            for line in plane.lines:
+                if "Stream" in line.name:
+                    evs = sorted(((e.start_ns, e.end_ns, e.name) for e in line.events))
+                    busy = sum(end - start for start, end, _ in evs)
+                    if evs and (best is None or busy > best[0]):
+                        best = (busy, evs)
+    if best is None:
+        return {}
+    busy, evs = best
+    idle_class, idle_name, reach = {}, {}, evs[0][1]
+    for start, end, name in evs[1:]:
+        gap = max(0, start - reach) / reps / 1e6
+        if gap:
+            idle_class[kernel_class(name)] = idle_class.get(kernel_class(name), 0) + gap
+            idle_name[name] = idle_name.get(name, 0) + gap
+        reach = max(reach, end)
+    span = (reach - evs[0][0]) / reps / 1e6
+    return {"span_ms_per_call": span, "busy_ms_per_call": busy / reps / 1e6, "idle_ms_per_call": sum(idle_class.values()),
+            "kernels_per_call": len(evs) / reps, "idle_before_class_ms": dict(_top(idle_class, 20)),
+            "idle_before_kernel_ms": _top(idle_name, 30)}
 
 
 def summary_line(name: str, prof: dict) -> str:
     return (f"profile {name}: {prof['kernel_ms_per_step']:.1f} ms of kernels per call; by phase "
-            + json.dumps(prof["by_phase_ms"]) + "; by class " + json.dumps(dict(list(prof["by_class_ms"].items())[:8])))
+            + json.dumps(prof["by_phase_ms"]) + "; by class " + json.dumps(dict(list(prof["by_class_ms"].items())[:8]))
+            + (f"; busiest stream idle {prof['busiest_stream']['idle_ms_per_call']:.1f} ms per call"
+               if prof.get("busiest_stream") else ""))
 
 
 def hlo_op_names(hlo_text: str) -> dict:
