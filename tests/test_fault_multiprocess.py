@@ -10,8 +10,8 @@ attempt at the first steps after the resume. And the uninterrupted 4-device run'
 devices, continues with that run's losses. Runs through zaya_jax/systems/scaling_runs.py, the code of
 `launch.scaling`'s restore and supervisor parts (launch.train, and launch.train under launch.supervise --nproc 2).
 The default run checks their parts at smaller scale: 2 processes x 4 devices training like 1 x 8, and checkpoints
-resuming on fewer devices (tests/test_parallel_train.py, tests/test_train.py), a killed single trainer restarted by
-the supervisor (tests/test_fault_tolerance.py)."""
+resuming on fewer devices (tests/test_parallel_train.py, tests/test_train.py), a killed stand-in trainer restarted by
+the supervisor from its latest finished checkpoint (tests/test_fault_supervisor.py)."""
 
 import json
 import os

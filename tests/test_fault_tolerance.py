@@ -1,5 +1,10 @@
 """Fault injection under the supervisor: kill -9 mid-step and mid-save, a crash followed by a restart on fewer
-devices, an injected NaN, a loss spike and a hang; the supervised runs end where an uninterrupted run ends."""
+devices, an injected NaN, a loss spike and a hang; the supervised runs end where an uninterrupted run ends.
+
+Marked slow (`./run.sh test -m slow`; real trainer processes, ~3 minutes on 2 cores). The default run checks their
+parts at smaller scale: the same drills' supervisor side over a stand-in trainer (tests/test_fault_supervisor.py),
+the trainer's side in-process (skipped data, spike, NaN exit and heartbeat: tests/test_train.py; a resume on fewer
+devices from ZAYA_NUM_DEVICES: tests/test_parallel_train.py)."""
 
 import json
 import os
@@ -7,6 +12,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
 from tests.fault_configs.fault_tiny import get_config
 from zaya_jax.fault.supervisor import Supervisor, SupervisorConfig
@@ -14,6 +20,7 @@ from zaya_jax.train.loop import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "tests", "fault_configs", "fault_tiny.py")
+pytestmark = pytest.mark.slow
 
 
 def train_command(workdir, fault):

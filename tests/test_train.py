@@ -1,6 +1,7 @@
 """The trainer end to end on a very small model: exact resume (same losses bitwise, same data order), gradient
 accumulation equal to a larger batch, the next phase from the previous weights on another mesh, chunked head
-cross-entropy. Resuming on fewer devices: tests/test_parallel_train.py (8 -> 4, 2, 1)."""
+cross-entropy, the trainer's side of the supervisor's contract (skipped data, injected spike and NaN, heartbeat).
+Resuming on fewer devices: tests/test_parallel_train.py (8 -> 4, 2, 1)."""
 
 import json
 import os
@@ -10,7 +11,8 @@ import numpy as np
 import pytest
 
 from configs.default import get_config
-from zaya_jax.train.loop import run
+from zaya_jax.fault.control import CONTROL, HEARTBEAT, read_json, write_json_atomic
+from zaya_jax.train.loop import EXIT_NONFINITE, run
 
 
 def small_config(**train):
@@ -98,3 +100,37 @@ def test_chunked_head_cross_entropy_trains_like_the_full_logits(straight, tmp_pa
     run(c, chunked, log=lambda *_: None)
     b = losses(chunked)
     np.testing.assert_allclose([b[s] for s in (1, 2, 3)], [a[s] for s in (1, 2, 3)], rtol=2e-5)
+
+
+class Exited(Exception):
+    pass
+
+
+def test_the_trainer_skips_marked_data_reports_a_spike_and_exits_on_nan(straight, tmp_path, monkeypatch):
+    """What the supervisor relies on (zaya_jax/fault/supervisor.py), in this process: os._exit raises instead of
+    ending it. The real process under the supervisor: tests/test_fault_tolerance.py (slow)."""
+    _, full = straight
+    wd = str(tmp_path / "faults")
+    os.makedirs(wd)
+    write_json_atomic(os.path.join(wd, CONTROL), {"skip_steps": [[2, 2]]})  # as a rewind leaves it
+
+    def exit_(code):
+        raise Exited(code)
+
+    monkeypatch.setattr(os, "_exit", exit_)
+    said = []
+    with pytest.raises(Exited) as exited:  # the straight run's program: the compilation cache has it
+        run(small_config(steps=4, fault="spike@3,nan@4"), wd, log=lambda line, *_: said.append(str(line)))
+    assert exited.value.args == (EXIT_NONFINITE,)
+    assert "step 2: skipping its data (supervisor rewind)" in said
+    got = losses(wd)
+    assert sorted(got) == [1, 3, 4] and got[1] == full[1]
+    assert got[3] > 10 * full[3] and np.isnan(got[4])  # the spike is in the logged loss only; NaN is logged
+    # no checkpoint of the NaN state; the step-3 one finished, and its data position is past the skipped step's
+    import orbax.checkpoint as ocp
+    read = lambda d: ocp.CheckpointManager(os.path.join(d, "checkpoints")).restore(  # noqa: E731
+        3, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
+    assert sorted(int(n) for n in os.listdir(os.path.join(wd, "checkpoints")) if n.isdigit()) == [3]
+    assert read(wd) == read(straight[0])
+    beat = read_json(os.path.join(wd, HEARTBEAT))
+    assert (beat["step"], beat["finishing"], beat["pid"]) == (3, False, os.getpid())
