@@ -85,8 +85,9 @@ def _count_gpus() -> int:
 
 
 def _child_env(args, n: int, workdir: str) -> dict:
-    env = dict(os.environ, **NVLS_OFF, PYTHONUNBUFFERED="1",
-               JAX_COMPILATION_CACHE_DIR=os.path.join(workdir, "jax_cache"))
+    env = dict(os.environ, **NVLS_OFF, PYTHONUNBUFFERED="1")
+    # a cache of the caller's (the tests' own) is kept: its parts then reuse what the caller compiled
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(workdir, "jax_cache"))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device")]
