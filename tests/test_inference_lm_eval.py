@@ -83,9 +83,15 @@ def offline_datasets(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
 
 
+def toy_tasks_only(**kw):
+    """A TaskManager that indexes the include path only: lm_eval's own ~14k task YAML files take 10-20 s to parse
+    on each construction, and no test here uses them."""
+    return TaskManager(**kw, include_defaults=False)
+
+
 def test_multiple_choice_accuracy_matches_direct_loop(model, direct_mc, offline_datasets):
     lm = ZayaLM(model, ByteTokenizer(), max_length=PAD_TO, batch_size=8)
-    out = lm_eval.simple_evaluate(model=lm, tasks=["zaya_toy_mc"], task_manager=TaskManager(include_path=TASK_DIR),
+    out = lm_eval.simple_evaluate(model=lm, tasks=["zaya_toy_mc"], task_manager=toy_tasks_only(include_path=TASK_DIR),
                                   log_samples=True, bootstrap_iters=0)
     reported = out["results"]["zaya_toy_mc"]
     acc, acc_norm = np.mean([d[0] for d in direct_mc]), np.mean([d[1] for d in direct_mc])
@@ -100,9 +106,10 @@ def test_multiple_choice_accuracy_matches_direct_loop(model, direct_mc, offline_
         np.testing.assert_allclose(ours, direct_mc[s["doc_id"]][2], rtol=1e-5, atol=1e-5)
 
 
-def test_evaluate_lm_cli_on_an_exported_checkpoint(model, direct_mc, offline_datasets, tmp_path):
+def test_evaluate_lm_cli_on_an_exported_checkpoint(model, direct_mc, offline_datasets, tmp_path, monkeypatch):
     from launch import evaluate_lm
 
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", toy_tasks_only)  # the CLI imports it when it runs
     checkpoint = zaya_jax.to_hf(model, tmp_path / "hf")
     limit = 8
     results = evaluate_lm.main(["--checkpoint", str(checkpoint), "--tokenizer", "byte", "--tasks", "zaya_toy_mc",
