@@ -100,11 +100,12 @@ def test_context_parallel_logits_and_gradients_equal_single_device(reference, cp
                                                        positions=r["pos"], segment_ids=r["seg"]), params)
         return logits, vjp(r["cotangent"])[0]
 
-    logits, grads = parallel(r["params"])
-    np.testing.assert_allclose(np.asarray(logits), np.asarray(r["logits"]), atol=1e-5, rtol=0)
+    logits, grads = jax.device_get(parallel(r["params"]))
+    np.testing.assert_allclose(logits, np.asarray(r["logits"]), atol=1e-5, rtol=0)
+    # on the host: eager jnp ops here would compile one program per leaf shape and op
     for (path, g), want in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(r["grads"])):
-        scale = float(jnp.max(jnp.abs(want))) + 1e-6
-        err = float(jnp.max(jnp.abs(g - want))) / scale
+        want = np.asarray(want)
+        err = np.max(np.abs(g - want)) / (np.max(np.abs(want)) + 1e-6)
         assert err < 1e-5, (jax.tree_util.keystr(path), err)
 
 
