@@ -1,7 +1,7 @@
 """The trainer under parallelism, 8 emulated CPU devices: ZeRO-1 and context-parallel (CP = 2, ring) training equal
-the replicated run; a ZeRO-1-sharded checkpoint saved on 8 devices resumes on 4, 2 and 1 with the losses of the
-uninterrupted run (the devices named by ZAYA_NUM_DEVICES, as the supervisor restarts a trainer on the devices left);
-2 processes x 4 devices (jax.distributed) train as 1 process x 8.
+the replicated run; a ZeRO-1-sharded checkpoint saved on 8 devices resumes on 4, on 1 x 2 (context parallel, all-gather
+attention) and on 1 with the losses of the uninterrupted run (the devices named by ZAYA_NUM_DEVICES, as the supervisor
+restarts a trainer on the devices left); 2 processes x 4 devices (jax.distributed) train as 1 process x 8.
 
 A one-process run trains in this process on the first N of its 8 emulated devices (as tests/test_train.py does);
 the 2-process run starts its processes (`python tests/test_parallel_train.py RUN.json`), which compile with LLVM
@@ -99,19 +99,23 @@ def test_zero1_and_context_parallel_train_like_the_replicated_run(zero1_run, tmp
     _close(context, reference, [1, 2])
 
 
-@pytest.mark.parametrize("devices", [4, 2, 1])
-def test_zero1_checkpoint_from_8_devices_resumes_on_fewer(zero1_run, tmp_path, monkeypatch, devices):
+# devices x context: 1 x 2 is the pure-context layout, ZeRO-1 over 'context' only, whose gradient reduction must not
+# leave the gradients varying over the (size-1) node axis (it failed once); context 4 and 8: the model's CP gradients
+# in tests/test_parallel_context.py
+@pytest.mark.parametrize("devices, context", [(4, 1), (2, 2), (1, 1)], ids=["4", "1x2_context", "1"])
+def test_zero1_checkpoint_from_8_devices_resumes_on_fewer(zero1_run, tmp_path, monkeypatch, devices, context):
     workdir, reference = zero1_run
     resumed = str(tmp_path / f"on{devices}")
     shutil.copytree(workdir, resumed)
     shutil.rmtree(os.path.join(resumed, "checkpoints", str(STEPS)))  # as if it had stopped after step 2
     # the config still says 8: the devices left come from the supervisor's variable, as after a restart
     monkeypatch.setenv("ZAYA_NUM_DEVICES", str(devices))
-    losses, outs = train(resumed, devices=8)
+    losses, outs = train(resumed, devices=8, context=context, attention="allgather")
     assert f"resumed from {os.path.join(resumed, 'checkpoints')} step 2" in outs[0]
-    assert f"mesh (data={devices}, expert=1, tensor=1, context=1)" in outs[0]
+    assert f"mesh (data={devices // context}, expert=1, tensor=1, context={context})" in outs[0]
     if devices > 1:
-        assert f"ZeRO-1 over ('data',), {devices} shards" in outs[0]
+        axes = "'data'," if context == 1 else "'context',"
+        assert f"ZeRO-1 over ({axes}), {devices} shards" in outs[0], outs[0]
     assert sorted(losses) == [3, 4]
     _close(losses, reference, [3, 4])
 

@@ -1,7 +1,7 @@
 """ZeRO-1 on 8 emulated CPU devices: the optimizer-state layout, distributed Muon equal to single-device Muon,
 the bytes Newton-Schulz moves (whole-matrix ownership against the all-gather baseline, read from the compiled
 HLO), and the collectives of the trainer's data-parallel step (gradients reduce-scattered, no activation
-gathers)."""
+gathers). The trainer with ZeRO-1 on 8, 4, 1 x 2 (context only) and 1 devices: tests/test_parallel_train.py."""
 
 import re
 
@@ -153,25 +153,3 @@ def test_trainer_step_reduce_scatters_gradients_in_node_then_on_rails_and_gather
     for line in hlo.splitlines():
         m = re.search(r"= (\S+) (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(-start)?\(", line)
         assert not (m and any(t in m.group(1) for t in global_tokens)), line
-
-
-@pytest.fixture(scope="module")
-def one_device_losses(tmp_path_factory):
-    from test_parallel_train import train
-    return train(str(tmp_path_factory.mktemp("one_device")), devices=1, steps=2)[0]
-
-
-# data > 1 with ZeRO-1 is covered above and in test_parallel_train (data 4 x context 2, ring attention); this is the
-# pure-context layout that failed (context 4 and 8: tests/test_parallel_context.py, the model's CP gradients)
-@pytest.mark.parametrize("data,context,attention", [(1, 2, "allgather")])
-def test_trainer_with_zero1_over_context_trains_like_one_device(one_device_losses, tmp_path, data, context,
-                                                               attention):
-    """The real trainer (in this process, as tests/test_parallel_train.py runs one-process runs) with ZeRO-1 and
-    context parallelism, data = 1 included: the gradients' ZeRO-1 layout then splits only 'context', and their
-    reduction must not leave them varying over the (size-1) node axis."""
-    from test_parallel_train import train
-    got, outs = train(str(tmp_path), devices=data * context, context=context, attention=attention, steps=2)
-    axes = "'context'," if data == 1 else "'data', 'context'"
-    assert f"ZeRO-1 over ({axes}), {data * context} shards" in outs[0], outs[0]
-    assert sorted(got) == sorted(one_device_losses) == [1, 2]
-    np.testing.assert_allclose([got[s] for s in (1, 2)], [one_device_losses[s] for s in (1, 2)], rtol=1e-5)

@@ -1,7 +1,7 @@
 """The trainer end to end on a very small model: exact resume (same losses bitwise, same data order), gradient
 accumulation equal to a larger batch, the next phase from the previous weights on another mesh, chunked head
 cross-entropy, the trainer's side of the supervisor's contract (skipped data, injected spike and NaN, heartbeat).
-Resuming on fewer devices: tests/test_parallel_train.py (8 -> 4, 2, 1)."""
+Resuming on fewer devices: tests/test_parallel_train.py (8 -> 4, 1 x 2 context, 1)."""
 
 import json
 import os
