@@ -26,7 +26,9 @@ def small_config(**train):
                         checkpoint_every=3))
     c.train.update(train)
     c.mesh.num_devices = 4
-    c.optim.update(dict(warmup_steps=2, total_steps=6))
+    # fp32 Newton-Schulz: exact comparisons here, and the same programs as tests/test_parallel_train.py's (which
+    # compares to 1e-5): its resume on 4 devices and the 4-device runs here share one compilation
+    c.optim.update(dict(warmup_steps=2, total_steps=6, muon_ns_dtype="float32"))
     return c
 
 
