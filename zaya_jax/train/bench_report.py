@@ -134,7 +134,7 @@ def accumulation(v: dict, hf: dict, tokens_per_microbatch: int) -> dict:
         k = x["accum"]
         row = {"k": k, "tokens_per_s": x["tokens_per_s"], "mfu": x.get("mfu"),
                "program_ms": x["median_s"] * 1e3}
-        if x["batch"] * x["seq"] != tokens_per_microbatch:  # another shape (long context): compared in searched()
+        if x["batch"] * x["seq"] != tokens_per_microbatch:  # another shape (long context): compared in long_accum()
             row.update(batch=x["batch"], seq=x["seq"])
             out[name] = row
             continue
