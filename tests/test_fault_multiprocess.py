@@ -9,9 +9,10 @@ with SIGKILL mid-run; the whole group restarts from the latest checkpoint and en
 attempt at the first steps after the resume. And the uninterrupted 4-device run's mid-run checkpoint, resumed on 2
 devices, continues with that run's losses. Runs through zaya_jax/systems/scaling_runs.py, the code of
 `launch.scaling`'s restore and supervisor parts (launch.train, and launch.train under launch.supervise --nproc 2).
-The default run checks their parts at smaller scale: 2 processes x 4 devices training like 1 x 8, and checkpoints
-resuming on fewer devices (tests/test_parallel_train.py, tests/test_train.py), a killed stand-in trainer restarted by
-the supervisor from its latest finished checkpoint (tests/test_fault_supervisor.py)."""
+The default run checks their parts at smaller scale: 2 processes joining one jax.distributed job and reducing over
+nodes and rails (tests/test_parallel_distributed.py), checkpoints resuming on fewer devices
+(tests/test_parallel_train.py, tests/test_train.py), a killed stand-in trainer restarted by the supervisor from its
+latest finished checkpoint (tests/test_fault_supervisor.py)."""
 
 import json
 import os

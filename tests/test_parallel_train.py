@@ -1,7 +1,9 @@
 """The trainer under parallelism, 8 emulated CPU devices: ZeRO-1 and context-parallel (CP = 2, ring) training equal
 the replicated run; a ZeRO-1-sharded checkpoint saved on 8 devices resumes on 4, on 1 x 2 (context parallel, all-gather
 attention) and on 1 with the losses of the uninterrupted run (the devices named by ZAYA_NUM_DEVICES, as the supervisor
-restarts a trainer on the devices left); 2 processes x 4 devices (jax.distributed) train as 1 process x 8.
+restarts a trainer on the devices left); 2 processes x 4 devices (jax.distributed) train as 1 process x 8 (marked
+slow: two trainer processes compiling, ~50 s on 2 cores; the default run checks 2 processes joining one job and
+reducing over nodes and rails in tests/test_parallel_distributed.py).
 
 A one-process run trains in this process on the first N of its 8 emulated devices (as tests/test_train.py does);
 the 2-process run starts its processes (`python tests/test_parallel_train.py RUN.json`), which compile with LLVM
@@ -119,6 +121,7 @@ def test_zero1_checkpoint_from_8_devices_resumes_on_fewer(zero1_run, tmp_path, m
     _close(losses, reference, [3, 4])
 
 
+@pytest.mark.slow
 def test_two_processes_of_four_devices_train_like_one_process_of_eight(zero1_run, tmp_path):
     _, reference = zero1_run
     losses, outs = train(str(tmp_path / "two_processes"), processes=2, devices_per_process=4, steps=2)
