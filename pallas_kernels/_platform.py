@@ -137,7 +137,14 @@ _ATTENTION = {
     # the fastest of 11 at 32k (256 x 64 with 16 warps 4.34, 128 x 64 4.77 against 4.26 ms;
     # benchmarks/attention_fwd_bound_tiles_h200.json). Its row sums as p . ones[block_k, 16] on the tensor cores, reduced
     # once at the end: 128 x 128 tiles then exceed shared memory, 128 x 64 ones took 4.83 ms
-    # (benchmarks/attention_fwd_rowsum_h200.json); removed.
+    # (benchmarks/attention_fwd_rowsum_h200.json); removed. Nsight Compute at B=1, T=16384
+    # (benchmarks/attention_ncu_16k_h200.json, launch/ncu_attention.py): the split dq and dk/dv kernels keep the
+    # tensor pipe 62% active, cuDNN's backward 64%: the backward's gap is its 7 matmuls per tile against cuDNN's 5,
+    # not their efficiency. The forward 54% against cuDNN's 74% (its cp.async loads issued by every thread, CTA-wide
+    # barriers keeping the two warpgroups in step; cuDNN's TMA producer warps let them alternate). The fused
+    # 'atomic' backward at 128 keys x 64 rows needs 255 registers and spills (28M spilling instructions, tensor 34%
+    # active); 64-key tiles halve its accumulators but double its dq atomics: 28.0 against split's 13.8 ms at
+    # T=32768, and 32-row tiles 18.7 (benchmarks/attention_atomic_k64_h200.json).
     "cuda": AttentionBlocks(fwd_q=128, fwd_k=128, fwd_warps=8, fwd_stages=3, dq_stages=4, dkv_q=32, dkv_heads=2,
                             bwd="tiles", tiles_dq_stages=2),
     # MI300X: 64-lane wavefronts (4 waves = 256 lanes), AMD's Triton pipeliner wants num_stages 1-2.

@@ -1,0 +1,126 @@
+"""Hardware counters of the attention kernels next to cuDNN's, through Nsight Compute (where `ncu` reads them).
+
+    XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none -o /tmp/attn \\
+        -k 'regex:cca_attention_(fwd_bound|dq|dkv|bwd_fused|dkv_tiles|dq_tiles)|sdpa' -c 8 \\
+        --section SpeedOfLight --section LaunchStats --section Occupancy --section ComputeWorkloadAnalysis \\
+        --section InstructionStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \\
+        python -m launch.ncu_attention once --shape 1x16384 --impls table,atomic,cudnn
+    ncu --import /tmp/attn.ncu-rep --page raw --csv > raw.csv
+    python -m launch.ncu_attention summarize raw.csv --out benchmarks/attention_ncu_h200.json
+
+`once` makes one forward + backward call per implementation (8 q / 2 kv heads, d=128, causal, bf16): `table` the
+table's row for the shape, `atomic` the fused backward with dq by atomic adds (64-row tiles), `split` the split
+backward, `cudnn` jax's cuDNN attention. Preallocation off: ncu saves and restores device memory around each replay
+pass, all of a preallocated pool otherwise. `summarize` keeps, per profiled kernel, the figures that say what limits
+it: time, tensor pipe activity, issue slots, registers, shared memory, spilling instructions, L2 atomic activity,
+and the stall reasons per issued instruction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import sys
+import warnings
+
+IMPL_OVERRIDES = {"table": {}, "split": dict(bwd="split"), "atomic": dict(bwd="atomic", dkv_q=64, dkv_heads=1)}
+
+# summary key -> ncu raw metric
+METRICS = {
+    "ms": "gpu__time_duration.sum",
+    "tensor_active_pct": "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",
+    "issue_active_pct": "sm__inst_issued.avg.pct_of_peak_sustained_elapsed",
+    "instructions": "smsp__inst_executed.sum",
+    "registers_per_thread": "launch__registers_per_thread",
+    "shared_kb_per_block": "launch__shared_mem_per_block",
+    "spill_instructions": "sass__inst_executed_register_spilling",
+    "l2_atomic_active_pct": "lts__d_atomic_input_cycles_active.avg.pct_of_peak_sustained_elapsed",
+    "xu_pipe_pct": "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active",
+    "lsu_pipe_pct": "sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active",
+}
+TO_MS = {"nsecond": 1e-6, "usecond": 1e-3, "msecond": 1.0, "second": 1e3}
+STALL_PREFIX, STALL_SUFFIX = "smsp__average_warps_issue_stalled_", "_per_issue_active.ratio"
+
+
+def _number(text: str):
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return None
+
+
+def summarize(rows: list[list[str]]) -> list[dict]:
+    """ncu's raw CSV page (a header row, a units row, one row per kernel) -> one dict per kernel."""
+    if len(rows) < 3 or "Kernel Name" not in rows[0]:
+        raise SystemExit("summarize: expected ncu's '--page raw --csv' output (a 'Kernel Name' column, a units row)")
+    head = rows[0]
+    col = {name: i for i, name in enumerate(head)}
+    out = []
+    for row in rows[2:]:
+        entry = {"kernel": row[col["Kernel Name"]]}
+        for key, metric in METRICS.items():
+            if metric in col:
+                entry[key] = _number(row[col[metric]])
+        if entry.get("ms") is not None:
+            entry["ms"] *= TO_MS.get(rows[1][col[METRICS["ms"]]], 1.0)
+        stalls = {name[len(STALL_PREFIX):-len(STALL_SUFFIX)]: _number(row[i]) for name, i in col.items()
+                  if name.startswith(STALL_PREFIX) and name.endswith(STALL_SUFFIX)}
+        entry["stalls_per_issue"] = dict(sorted(((k, v) for k, v in stalls.items() if v), key=lambda kv: -kv[1]))
+        out.append(entry)
+    return out
+
+
+def once(shape: str, impls: list[str]):
+    warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated", category=DeprecationWarning)
+    import jax
+
+    from pallas_kernels import _bench as bench
+    from pallas_kernels import _platform
+    B, T = (int(x) for x in shape.lower().split("x"))
+    q, k, v, do = bench._attention_problem(B, T, 8, 2, 128)
+    table = _platform.attention_blocks(128, T)
+    for impl in impls:
+        if impl == "cudnn":
+            _, fwd_bwd = bench._attention_fns("cudnn", None)
+        else:
+            _, fwd_bwd = bench._attention_fns("pallas", dataclasses.replace(table, **IMPL_OVERRIDES[impl]))
+        jax.block_until_ready(fwd_bwd(q, k, v, do))
+        print(f"{impl}: one fwd+bwd at B={B} T={T}", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("once", help="one fwd+bwd call per implementation (run it under ncu)")
+    a.add_argument("--shape", default="1x16384", help="BxT")
+    a.add_argument("--impls", default="table,atomic,cudnn", help=f"of {sorted(IMPL_OVERRIDES) + ['cudnn']}")
+    s = sub.add_parser("summarize", help="ncu --page raw --csv output -> JSON")
+    s.add_argument("csv")
+    s.add_argument("--out", default=None)
+    s.add_argument("--shape", default="1x16384", help="BxT of the profiled run (recorded in the JSON)")
+    args = ap.parse_args()
+    if args.cmd == "once":
+        impls = [i for i in args.impls.split(",") if i]
+        bad = [i for i in impls if i not in IMPL_OVERRIDES and i != "cudnn"]
+        if bad:
+            raise SystemExit(f"--impls: unknown {bad}; expected some of {sorted(IMPL_OVERRIDES) + ['cudnn']}")
+        once(args.shape, impls)
+        return
+    try:
+        with open(args.csv, newline="") as f:
+            rows = list(csv.reader(f))
+    except OSError as e:
+        raise SystemExit(f"summarize: cannot read {args.csv}: {e}") from None
+    text = json.dumps(dict(shape=args.shape, heads="8 q / 2 kv, d=128, causal, bf16", command=__doc__.split("\n\n")[1],
+                           kernels=summarize(rows)), indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    else:
+        sys.stdout.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

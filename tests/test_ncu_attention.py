@@ -1,0 +1,27 @@
+"""launch/ncu_attention.py's summary of ncu's raw CSV page (a header row, a units row, one row per kernel)."""
+
+import pytest
+
+from launch.ncu_attention import summarize
+
+HEAD = ["ID", "Kernel Name", "gpu__time_duration.sum", "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",
+        "sass__inst_executed_register_spilling", "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
+        "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio"]
+
+
+def test_kernels_with_units_and_stalls_ordered():
+    rows = [HEAD, ["", "", "usecond", "%", "inst", "inst", "inst"],
+            ["0", "cca_attention_dq", "1,402.5", "62.05", "0", "1.38", "0.97"],
+            ["1", "cudnn_bprop", "2,286.2", "64.17", "1,329,284", "0.5", "1.04"]]
+    out = summarize(rows)
+    assert [e["kernel"] for e in out] == ["cca_attention_dq", "cudnn_bprop"]
+    assert out[0]["ms"] == pytest.approx(1.4025) and out[1]["spill_instructions"] == 1329284
+    assert out[0]["tensor_active_pct"] == pytest.approx(62.05)
+    assert list(out[0]["stalls_per_issue"]) == ["barrier", "wait"]
+    assert list(out[1]["stalls_per_issue"]) == ["wait", "barrier"]
+    assert "registers_per_thread" not in out[0]  # absent columns are left out, not invented
+
+
+def test_not_an_ncu_raw_page():
+    with pytest.raises(SystemExit, match="Kernel Name"):
+        summarize([["a", "b"], ["1", "2"], ["3", "4"]])
