@@ -87,12 +87,6 @@ VARIANTS = {
     "atomic_q128h1k64w8": _atomic(128, 1, k=64, warps=8),
     "atomic_q64h1k64w8s2": _atomic(64, 1, k=64, warps=8, stages=2),
     "atomic_q32h1": _atomic(32, 1),
-    # dv in one kernel, dk + atomic dq in a second (6 matmuls per tile, one accumulator live in each)
-    "two_pass": dict(bwd="two_pass"),
-    "two_pass_q64h1": dict(bwd="two_pass", dkv_q=64, dkv_heads=1),
-    "two_pass_q32h2": dict(bwd="two_pass", dkv_q=32, dkv_heads=2),
-    "two_pass_q32h4": dict(bwd="two_pass", dkv_q=32, dkv_heads=4),
-    "two_pass_q64h2": dict(bwd="two_pass", dkv_q=64, dkv_heads=2),
     # dS written as whole tiles by the dk/dv kernel and read back by a one-matmul dq kernel (tiles_dq_* its launch)
     "tiles": dict(bwd="tiles"),
     "tiles_q32h2": dict(bwd="tiles", dkv_q=32, dkv_heads=2),

@@ -323,24 +323,19 @@ def backward_dq(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, 
 
 # ------------------------------------------------------------------------------------------------------- dk, dv
 def _dkv_kernel(rng_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, *rest, c, scale,
-                block_q, groups, heads, has_seg, has_window, with_dq, store_ds, parts="dkdv"):
+                block_q, groups, heads, has_seg, has_window, with_dq, store_ds):
     """One key block of one KV head; loops over (query block, block of `heads` query heads) pairs of its group.
     The logits are computed transposed ([block_k, query rows]) so dk and dv accumulate without transposes.
     with_dq (the fused backward): each step also adds its unscaled dq contribution ds . k to the zero-initialised
     fp32 dq with atomic adds (programs of other key blocks add to the same rows; the order is not fixed).
-    store_ds: step t also writes its ds tile [block_k, query rows] whole to dS tile rng[4] + t (`ds_tile_offsets`).
-    parts: 'dkdv' both accumulators; 'dv' dv alone (two matmuls per step); 'dk' dk alone (and dq with with_dq): the
-    two passes of the 'two_pass' backward, each with one [block_k, dp] fp32 accumulator live."""
-    n_main = 2 if parts == "dkdv" else 1
-    qs_ref, ks_ref, window, outs = _optional_refs(rest, has_seg, has_window, n_main + with_dq * 2 + store_ds)
-    outs = outs[1:] if with_dq else outs  # the aliased dq input comes first
-    main, extra = outs[:n_main], outs[n_main:]
-    dk_ref = main[0] if parts != "dv" else None
-    dv_ref = main[-1] if parts != "dk" else None
-    dq_ref = extra[0] if with_dq else None
-    ds_ref = extra[0] if store_ds else None
-    k = k_ref[...]
-    v = v_ref[...] if parts != "dv" else None
+    store_ds: step t also writes its ds tile [block_k, query rows] whole to dS tile rng[4] + t (`ds_tile_offsets`)."""
+    if with_dq:
+        qs_ref, ks_ref, window, (_, dk_ref, dv_ref, dq_ref) = _optional_refs(rest, has_seg, has_window, 4)
+    elif store_ds:
+        qs_ref, ks_ref, window, (dk_ref, dv_ref, ds_ref) = _optional_refs(rest, has_seg, has_window, 3)
+    else:
+        qs_ref, ks_ref, window, (dk_ref, dv_ref) = _optional_refs(rest, has_seg, has_window, 2)
+    k, v = k_ref[...], v_ref[...]
     kv_pos = kp_ref[...][:, None]
     kv_seg = ks_ref[...][:, None] if has_seg else None
     head_blocks = groups // heads
@@ -372,10 +367,7 @@ def _dkv_kernel(rng_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref
                 p_t = jnp.exp2(jnp.where(ok, qk_t * c, NEG) - lse)
             else:
                 p_t = jnp.exp2(qk_t * c - lse)
-            if parts != "dk":
-                dv = dv + plgpu.dot(p_t.astype(do.dtype), do)
-            if parts == "dv":
-                return dk, dv
+            dv = dv + plgpu.dot(p_t.astype(do.dtype), do)
             dp_t = plgpu.dot(v, do, trans_b=True)
             ds_t = (p_t * (dp_t - delta_ref[hd, pos][None, :])).astype(q.dtype)
             if with_dq:
@@ -389,21 +381,9 @@ def _dkv_kernel(rng_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref
         return lax.fori_loop(0, (hi - lo) * head_blocks, step, carry)
 
     zeros = jnp.zeros(k.shape, F32)
-    dk, dv = _three_loops(rng_ref, run, (zeros if parts != "dv" else None, zeros if parts != "dk" else None))
-    if dk_ref is not None:
-        dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
-    if dv_ref is not None:
-        dv_ref[...] = dv.astype(dv_ref.dtype)
-
-
-def backward_two_pass(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ranges, *, scale, blocks):
-    """The backward in two kernels over key blocks: dv (two matmuls per tile), then dk with dq added atomically (four):
-    six matmuls per tile against split's seven, one fp32 [dkv_k, dp] accumulator live in each (the fused kernel
-    holds two and spills). -> (dk, dv) in k.dtype, dq fp32 WITHOUT the softmax scale, summation order not fixed."""
-    args = (q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ranges)
-    (dv,) = _dkv_call(*args, scale=scale, blocks=blocks, parts="dv")
-    dk, dq = _dkv_call(*args, scale=scale, blocks=blocks, with_dq=True, parts="dk")
-    return dk, dv, dq
+    dk, dv = _three_loops(rng_ref, run, (zeros, zeros))
+    dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
 def dkv_split(heads: int, kv_heads: int, batch: int, n_kv_blocks: int, requested: int) -> int:
@@ -445,7 +425,7 @@ def dkv_layout(H: int, KV: int, B: int, Sp: int, blocks) -> tuple[int, int, int]
 
 
 def _dkv_call(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ranges, *, scale, blocks,
-              with_dq=False, n_tiles=None, parts="dkdv"):
+              with_dq=False, n_tiles=None):
     B, Tp, H, dp = q.shape
     Sp, KV = k.shape[1], k.shape[2]
     bq, bk = blocks.dkv_q, blocks.dkv_k
@@ -469,10 +449,9 @@ def _dkv_call(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ra
     out_dtype = k.dtype if split == 1 else F32  # partial sums stay fp32 until they are added
     out_shape = _vma.out_struct((B, Sp, KV * split, dp), out_dtype, q)
     args = [ranges, q, k, v, do, lse2, delta, q_pos, kv_pos, *opt_arrays]
-    n_main = 2 if parts == "dkdv" else 1
-    out_specs, out_shapes, aliases = [out_spec] * n_main, [out_shape] * n_main, {}
+    out_specs, out_shapes, aliases = [out_spec, out_spec], [out_shape, out_shape], {}
     if with_dq:  # dq accumulates in place in a zeroed fp32 buffer; a program adds to its own query heads' rows
-        aliases = {len(args): n_main}
+        aliases = {len(args): 2}
         args.append(_vma.vary(jnp.zeros((B, Tp, H, dp), F32), _vma.varying_axes(q)))
         in_specs.append(group_spec)
         out_specs.append(group_spec)
@@ -482,20 +461,21 @@ def _dkv_call(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ra
         out_shapes.append(_vma.out_struct((B, KV * split, n_tiles, bk, bq * heads), q.dtype, q))
     outs = pl.pallas_call(
         functools.partial(_dkv_kernel, c=scale * LOG2E, scale=scale, block_q=bq, groups=groups, heads=heads,
-                          has_seg=has_seg, has_window=window is not None, with_dq=with_dq, store_ds=store_ds,
-                          parts=parts),
+                          has_seg=has_seg, has_window=window is not None, with_dq=with_dq, store_ds=store_ds),
         grid=(KV * split, B, nk),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shapes,
         input_output_aliases=aliases,
         compiler_params=_platform.compiler_params(blocks.dkv_warps, blocks.dkv_stages),
-        interpret=_platform.interpret(),
-        name=f"cca_attention_{'bwd_fused' if with_dq else 'dkv'}{'' if parts == 'dkdv' else '_' + parts}",
+        interpret=_platform.interpret(), name="cca_attention_bwd_fused" if with_dq else "cca_attention_dkv",
     )(*args)
-    grads = [g.reshape(B, Sp, KV, split, dp).sum(axis=3) if split > 1 else g for g in outs[:n_main]]
-    grads = [g.astype(k.dtype) for g in grads]
-    return (*grads, *outs[n_main:])
+    dk, dv = outs[0], outs[1]
+    if split > 1:
+        dk = dk.reshape(B, Sp, KV, split, dp).sum(axis=3)
+        dv = dv.reshape(B, Sp, KV, split, dp).sum(axis=3)
+    dk, dv = dk.astype(k.dtype), dv.astype(v.dtype)
+    return (dk, dv, outs[2]) if (with_dq or store_ds) else (dk, dv)
 
 
 # ---------------------------------------------------------------------------------------------- dq from dS tiles

@@ -43,7 +43,7 @@ def dot_precision(dtype):
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
-BACKWARDS = ("split", "atomic", "tiles", "two_pass")
+BACKWARDS = ("split", "atomic", "tiles")
 FORWARD_SHIFTS = ("bound", "online")
 
 
@@ -76,8 +76,7 @@ class AttentionBlocks:
     # 'atomic' = one kernel with the dk/dv tiling adding dq with fp32 atomics (5 matmuls per tile instead of 7,
     # summation order of dq not fixed); 'tiles' = the dk/dv kernel also writes each dS tile whole and contiguous,
     # and a dq kernel reads them back (5 matmuls per tile, deterministic, dS held in between; the split path is
-    # used where dS would exceed TILES_MAX_BYTES); 'two_pass' = a dv kernel, then a dk kernel adding dq with atomics
-    # (6 matmuls per tile, one accumulator live in each).
+    # used where dS would exceed TILES_MAX_BYTES).
     bwd: str = "split"
     tiles_dq_warps: int = 4  # the dq-from-dS-tiles kernel (one dk/dv query tile of rows per program)
     tiles_dq_stages: int = 3

@@ -57,13 +57,11 @@ def _check(q, k, v, do, dtype, blocks=None, **kw):
 # bwd='atomic': the fused backward (dq by atomic adds; in interpret mode the programs run in order, so the adds
 # accumulate exactly like the GPU's, only in a fixed order), with one head per tile and with stacked heads on a
 # split group. bwd='tiles': dq from the dS tiles the dk/dv kernel wrote (tile offsets per key block, stacked rows
-# scattered back to their heads). bwd='two_pass': dv in one kernel, dk and the atomically added dq in a second.
+# scattered back to their heads).
 @pytest.mark.parametrize("dtype,dkv_split,heads,bwd", [(jnp.float32, 1, 1, "split"), (jnp.bfloat16, 2, 4, "split"),
                                                        (jnp.float32, 1, 1, "atomic"),
                                                        (jnp.bfloat16, 2, 2, "atomic"),
-                                                       (jnp.float32, 1, 4, "tiles"), (jnp.bfloat16, 2, 2, "tiles"),
-                                                       (jnp.float32, 1, 2, "two_pass"),
-                                                       (jnp.bfloat16, 2, 1, "two_pass")])
+                                                       (jnp.float32, 1, 4, "tiles"), (jnp.bfloat16, 2, 2, "tiles")])
 def test_causal_gqa(dtype, dkv_split, heads, bwd):
     q, k, v, do = _qkv(0, 2, 45, 45, 8, 2, 32, dtype)
     blocks = dataclasses.replace(_platform.attention_blocks(32), dkv_split=dkv_split, fwd_heads=heads,
@@ -131,7 +129,7 @@ def test_odd_head_dim_group_of_three_and_mqa():
     _check(q, k, v, do, jnp.float32, scale=0.3)
 
 
-@pytest.mark.parametrize("bwd", ["split", "atomic", "tiles", "two_pass"])
+@pytest.mark.parametrize("bwd", ["split", "atomic", "tiles"])
 def test_sliding_window_segments_and_padding(bwd):
     B, T = 2, 48
     q, k, v, do = _qkv(3, B, T, T, 4, 2, 16, jnp.float32)
@@ -318,8 +316,7 @@ def _sharded_inputs(seed, B, T, H, KV, d, dtype):
 @pytest.mark.parametrize("chunked,summed", [("q", 2), ("kv", 1)])
 @pytest.mark.parametrize("bwd,kernels", [("split", ("cca_attention_dq", "cca_attention_dkv")),
                                          ("atomic", ("cca_attention_bwd_fused",)),
-                                         ("tiles", ("cca_attention_dkv", "cca_attention_dq_tiles")),
-                                         ("two_pass", ("cca_attention_dkv_dv", "cca_attention_bwd_fused_dk"))])
+                                         ("tiles", ("cca_attention_dkv", "cca_attention_dq_tiles"))])
 def test_fwd_bwd_lower_for_cuda_inside_shard_map(monkeypatch, bwd, kernels, chunked, summed):
     monkeypatch.setattr(_platform, "interpret", lambda: False)
     blocks = dataclasses.replace(_platform.attention_blocks(16, 64), bwd=bwd)
@@ -370,8 +367,7 @@ def test_gpu_attention_masks_and_positions(bwd):
 @pytest.mark.gpu
 @pytest.mark.parametrize("bwd,dkv_q,dkv_heads", [("split", 32, 2), ("split", 16, 4), ("atomic", 32, 2),
                                                  ("atomic", 16, 4), ("split", 64, 1), ("tiles", 32, 2),
-                                                 ("tiles", 16, 4), ("tiles", 64, 1), ("two_pass", 16, 4),
-                                                 ("two_pass", 64, 1)])
+                                                 ("tiles", 16, 4), ("tiles", 64, 1)])
 def test_gpu_stacked_dkv_heads_causal_gqa(bwd, dkv_q, dkv_heads, T=2048):
     q, k, v, do = _qkv(12, 2, T, T, 8, 2, 128, jnp.bfloat16)
     blocks = dataclasses.replace(_platform.attention_blocks(128, T), bwd=bwd, dkv_q=dkv_q, dkv_heads=dkv_heads)
@@ -380,7 +376,7 @@ def test_gpu_stacked_dkv_heads_causal_gqa(bwd, dkv_q, dkv_heads, T=2048):
     errs = {name: rel_err(a, b) for name, a, b in zip(("o", "dq", "dk", "dv"), got,
                                                       _upcast_reference(q, k, v, do, {}))}
     assert max(errs.values()) <= 1e-2, errs
-    if bwd not in ("atomic", "two_pass"):  # no atomics: a race inside the kernel would show as run-to-run differences
+    if bwd != "atomic":  # no atomics: a race inside the kernel would show as run-to-run differences
         again = _fwd_bwd(fn, q, k, v, do, {})
         for name, a, b in zip(("dq", "dk", "dv"), got[1:], again[1:]):
             assert np.array_equal(np.asarray(a), np.asarray(b)), f"{name} differs between two identical runs"
