@@ -144,7 +144,10 @@ _ATTENTION = {
     # barriers keeping the two warpgroups in step; cuDNN's TMA producer warps let them alternate). The fused
     # 'atomic' backward at 128 keys x 64 rows needs 255 registers and spills (28M spilling instructions, tensor 34%
     # active); 64-key tiles halve its accumulators but double its dq atomics: 28.0 against split's 13.8 ms at
-    # T=32768, and 32-row tiles 18.7 (benchmarks/attention_atomic_k64_h200.json).
+    # T=32768, and 32-row tiles 18.7 (benchmarks/attention_atomic_k64_h200.json). Two kernels over key blocks, dv
+    # alone (2 matmuls per tile) then dk with dq added atomically (4; one accumulator live in each, correct on the
+    # H200): backward 18.8 against split's 14.1 ms at T=32768, 1.25 against 0.89 at 4096: the atomic dq adds, not the
+    # spills, cost most; removed (benchmarks/attention_two_pass_h200.json).
     "cuda": AttentionBlocks(fwd_q=128, fwd_k=128, fwd_warps=8, fwd_stages=3, dq_stages=4, dkv_q=32, dkv_heads=2,
                             bwd="tiles", tiles_dq_stages=2),
     # MI300X: 64-lane wavefronts (4 waves = 256 lanes), AMD's Triton pipeliner wants num_stages 1-2.
