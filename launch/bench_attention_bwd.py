@@ -64,7 +64,6 @@ VARIANTS = {
     "dkv_q32h4k128w8s2": _dkv(32, 4, 128, 8, 2),
     "dkv_q16h4k64w4s3": _dkv(16, 4, 64, 4, 3),
     "dkv_q16h2k128w8s3": _dkv(16, 2, 128, 8, 3),
-    "dkv_q16h4k64w8s3": _dkv(16, 4, 64, 8, 3),
     "atomic": dict(bwd="atomic"),
     "atomic_q32h2": dict(bwd="atomic", dkv_q=32, dkv_heads=2),
     "atomic_q16h2": dict(bwd="atomic", dkv_q=16, dkv_heads=2),
@@ -81,7 +80,6 @@ VARIANTS = {
     # 64-key tiles with 8 warps: half the dk/dv accumulators of 128-key ones (the fused kernel at 128 x 64 uses 255
     # registers per thread and spills, ncu at T=16384), twice the dq atomics
     "atomic_q64h1k64w8": _atomic(64, 1, k=64, warps=8),
-    "atomic_q16h4k64w8": _atomic(16, 4, k=64, warps=8),
     "atomic_q32h2k64w8": _atomic(32, 2, k=64, warps=8),
     "atomic_q32h4k64w8": _atomic(32, 4, k=64, warps=8),
     "atomic_q128h1k64w8": _atomic(128, 1, k=64, warps=8),
