@@ -4,13 +4,13 @@
         -k 'regex:cca_attention_(fwd_bound|dq|dkv|bwd_fused|dkv_tiles|dq_tiles)|sdpa' -c 8 \\
         --section SpeedOfLight --section LaunchStats --section Occupancy --section ComputeWorkloadAnalysis \\
         --section InstructionStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \\
-        python -m launch.ncu_attention once --shape 1x16384 --impls table,atomic,cudnn
+        python -m launch.ncu_attention once --shape 1x16384 --impls split,atomic_q64h1,cudnn
     ncu --import /tmp/attn.ncu-rep --page raw --csv > raw.csv
     python -m launch.ncu_attention summarize raw.csv --out benchmarks/attention_ncu_h200.json
 
-`once` makes one forward + backward call per implementation (8 q / 2 kv heads, d=128, causal, bf16): `table` the
-table's row for the shape, `atomic` the fused backward with dq by atomic adds (64-row tiles), `split` the split
-backward, `cudnn` jax's cuDNN attention. Preallocation off: ncu saves and restores device memory around each replay
+`once` makes one forward + backward call per implementation (8 q / 2 kv heads, d=128, causal, bf16): `cudnn` jax's
+cuDNN attention, or any variant of `launch.bench_attention_bwd` (`split` the table's row for the shape,
+`atomic_q64h1` the fused backward with dq by atomic adds, ...). Preallocation off: ncu saves and restores device memory around each replay
 pass, all of a preallocated pool otherwise. `summarize` keeps, per profiled kernel, the figures that say what limits
 it: time, tensor pipe activity, issue slots, registers, shared memory, spilling instructions, L2 atomic activity,
 and the stall reasons per issued instruction.
@@ -24,8 +24,6 @@ import dataclasses
 import json
 import sys
 import warnings
-
-IMPL_OVERRIDES = {"table": {}, "split": dict(bwd="split"), "atomic": dict(bwd="atomic", dkv_q=64, dkv_heads=1)}
 
 # summary key -> ncu raw metric
 METRICS = {
@@ -73,19 +71,27 @@ def summarize(rows: list[list[str]]) -> list[dict]:
 
 
 def once(shape: str, impls: list[str]):
+    """One fwd+bwd per implementation: 'cudnn' or a variant of launch.bench_attention_bwd (its problem and shapes)."""
     warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated", category=DeprecationWarning)
     import jax
 
+    from launch.bench_attention_bwd import D, H, KV, VARIANTS, _parse_shapes
     from pallas_kernels import _bench as bench
     from pallas_kernels import _platform
-    B, T = (int(x) for x in shape.lower().split("x"))
-    q, k, v, do = bench._attention_problem(B, T, 8, 2, 128)
-    table = _platform.attention_blocks(128, T)
+    bad = [i for i in impls if i not in VARIANTS and i != "cudnn"]
+    if bad or not impls:
+        raise SystemExit(f"--impls: unknown {bad or impls}; expected 'cudnn' or variants of launch.bench_attention_bwd")
+    shapes = _parse_shapes(shape)
+    if len(shapes) != 1:
+        raise SystemExit(f"--shape: one BxT, got {shape!r}")
+    (B, T), = shapes
+    q, k, v, do = bench._attention_problem(B, T, H, KV, D)
+    table = _platform.attention_blocks(D, T)
     for impl in impls:
         if impl == "cudnn":
             _, fwd_bwd = bench._attention_fns("cudnn", None)
         else:
-            _, fwd_bwd = bench._attention_fns("pallas", dataclasses.replace(table, **IMPL_OVERRIDES[impl]))
+            _, fwd_bwd = bench._attention_fns("pallas", dataclasses.replace(table, **VARIANTS[impl]))
         jax.block_until_ready(fwd_bwd(q, k, v, do))
         print(f"{impl}: one fwd+bwd at B={B} T={T}", flush=True)
 
@@ -95,18 +101,15 @@ def main():
     sub = ap.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("once", help="one fwd+bwd call per implementation (run it under ncu)")
     a.add_argument("--shape", default="1x16384", help="BxT")
-    a.add_argument("--impls", default="table,atomic,cudnn", help=f"of {sorted(IMPL_OVERRIDES) + ['cudnn']}")
+    a.add_argument("--impls", default="split,atomic_q64h1,cudnn",
+                   help="'cudnn' and variants of launch.bench_attention_bwd ('split': the table's row)")
     s = sub.add_parser("summarize", help="ncu --page raw --csv output -> JSON")
     s.add_argument("csv")
     s.add_argument("--out", default=None)
     s.add_argument("--shape", default="1x16384", help="BxT of the profiled run (recorded in the JSON)")
     args = ap.parse_args()
     if args.cmd == "once":
-        impls = [i for i in args.impls.split(",") if i]
-        bad = [i for i in impls if i not in IMPL_OVERRIDES and i != "cudnn"]
-        if bad:
-            raise SystemExit(f"--impls: unknown {bad}; expected some of {sorted(IMPL_OVERRIDES) + ['cudnn']}")
-        once(args.shape, impls)
+        once(args.shape, [i for i in args.impls.split(",") if i])
         return
     try:
         with open(args.csv, newline="") as f:
