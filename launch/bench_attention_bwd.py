@@ -115,6 +115,12 @@ VARIANTS = {
     "fwd_q256k32w16s3": _fwd(256, 32, 16, 3),
     "fwd_q256k64w8s2": _fwd(256, 64, 8, 2),
     "fwd_q128k64w16s3h2": _fwd(128, 64, 16, 3, 2),
+    # one warpgroup per program and two programs per SM (<= ~113 KB of shared memory each): their CTA-wide
+    # barriers are their own, so one program's exponentials can overlap the other's matmuls
+    "fwd_q128k64w4s2": _fwd(128, 64, 4, 2),
+    "fwd_q128k32w4s3": _fwd(128, 32, 4, 3),
+    "fwd_q128k32w4s2": _fwd(128, 32, 4, 2),
+    "fwd_q64k64w4s3": _fwd(64, 64, 4, 3),
     # dq kernel tiles (the table's: q128 k64 w8 s4)
     "dq_q128k128w8s2": _dq(128, 128, 8, 2),
     "dq_q128k64w8s2": _dq(128, 64, 8, 2),
@@ -124,6 +130,10 @@ VARIANTS = {
     "dq_q64k64w4s3": _dq(64, 64, 4, 3),
     "dq_q64k64w8s3h2": _dq(64, 64, 8, 3, 2),
     "dq_q64k128w8s2h2": _dq(64, 128, 8, 2, 2),
+    # one warpgroup per program, two programs per SM (as the forward's w4 variants)
+    "dq_q128k32w4s2": _dq(128, 32, 4, 2),
+    "dq_q64k64w4s2": _dq(64, 64, 4, 2),
+    "dkv_q16h4k64w4s2": _dkv(16, 4, 64, 4, 2),
 }
 
 

@@ -8,6 +8,12 @@
     ncu --import /tmp/attn.ncu-rep --page raw --csv > raw.csv
     python -m launch.ncu_attention summarize raw.csv --out benchmarks/attention_ncu_h200.json
 
+Executed instructions by SASS opcode (which instructions a kernel spends its issue slots on, e.g. the denormal
+fix-ups around MUFU.EX2 without flush-to-zero): profile with `--section SourceCounters` instead, then
+
+    ncu --import /tmp/attn.ncu-rep --page source --print-source sass --csv > sass.csv
+    python -m launch.ncu_attention sass sass.csv --out benchmarks/attention_sass_h200.json
+
 `once` makes one forward + backward call per implementation (8 q / 2 kv heads, d=128, causal, bf16): `cudnn` jax's
 cuDNN attention, or any variant of `launch.bench_attention_bwd` (`split` the table's row for the shape,
 `atomic_q64h1` the fused backward with dq by atomic adds, ...). Preallocation off: ncu saves and restores device memory around each replay
@@ -70,6 +76,44 @@ def summarize(rows: list[list[str]]) -> list[dict]:
     return out
 
 
+def _opcode(source: str) -> str:
+    """'@!P0 FMUL.FTZ R3, R3, 0.5 ;' -> 'FMUL.FTZ' (the guard predicate dropped)."""
+    words = source.split()
+    if words and words[0].startswith("@"):
+        words = words[1:]
+    return words[0].rstrip(";") if words else ""
+
+
+def sass_mix(rows: list[list[str]], top: int = 24) -> dict:
+    """ncu's source page as CSV (per kernel: a 'Kernel Name' row, a header row starting 'Address', one row per SASS
+    instruction) -> per kernel: executed warp instructions in all, and the `top` opcodes by executed count, with
+    the warp-stall samples taken at each."""
+    out, name, col = {}, None, None
+    for row in rows:
+        if len(row) >= 2 and row[0] == "Kernel Name":
+            name, col = row[1], None
+            out.setdefault(name, {"executed": {}, "stall_samples": {}})
+        elif row and row[0] == "Address":
+            col = {h: i for i, h in enumerate(row)}
+        elif name is not None and col is not None and len(row) == len(col):
+            op = _opcode(row[col["Source"]])
+            n = _number(row[col["Instructions Executed"]]) or 0
+            stalls = _number(row[col.get("Warp Stall Sampling (All Samples)", -1)]) or 0
+            for key, value in (("executed", n), ("stall_samples", stalls)):
+                out[name][key][op] = out[name][key].get(op, 0) + value
+    if not out:
+        raise SystemExit("sass: expected ncu's '--page source --print-source sass --csv' output ('Kernel Name' rows)")
+    summary = {}
+    for kernel, counts in out.items():
+        executed = sorted(counts["executed"].items(), key=lambda kv: -kv[1])
+        summary[kernel] = dict(
+            warp_instructions=sum(n for _, n in executed),
+            top_opcodes={op: int(n) for op, n in executed[:top]},
+            stall_samples={op: int(n) for op, n in sorted(counts["stall_samples"].items(), key=lambda kv: -kv[1])[:12]
+                           if n})
+    return summary
+
+
 def once(shape: str, impls: list[str]):
     """One fwd+bwd per implementation: 'cudnn' or a variant of launch.bench_attention_bwd (its problem and shapes)."""
     warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated", category=DeprecationWarning)
@@ -103,10 +147,12 @@ def main():
     a.add_argument("--shape", default="1x16384", help="BxT")
     a.add_argument("--impls", default="split,atomic_q64h1,cudnn",
                    help="'cudnn' and variants of launch.bench_attention_bwd ('split': the table's row)")
-    s = sub.add_parser("summarize", help="ncu --page raw --csv output -> JSON")
-    s.add_argument("csv")
-    s.add_argument("--out", default=None)
-    s.add_argument("--shape", default="1x16384", help="BxT of the profiled run (recorded in the JSON)")
+    for cmd, text in (("summarize", "ncu --page raw --csv output -> JSON"),
+                      ("sass", "ncu --page source --print-source sass --csv output -> executed opcodes, JSON")):
+        s = sub.add_parser(cmd, help=text)
+        s.add_argument("csv")
+        s.add_argument("--out", default=None)
+        s.add_argument("--shape", default="1x16384", help="BxT of the profiled run (recorded in the JSON)")
     args = ap.parse_args()
     if args.cmd == "once":
         once(args.shape, [i for i in args.impls.split(",") if i])
@@ -115,9 +161,10 @@ def main():
         with open(args.csv, newline="") as f:
             rows = list(csv.reader(f))
     except OSError as e:
-        raise SystemExit(f"summarize: cannot read {args.csv}: {e}") from None
+        raise SystemExit(f"{args.cmd}: cannot read {args.csv}: {e}") from None
+    kernels = summarize(rows) if args.cmd == "summarize" else sass_mix(rows)
     text = json.dumps(dict(shape=args.shape, heads="8 q / 2 kv, d=128, causal, bf16", command=__doc__.split("\n\n")[1],
-                           kernels=summarize(rows)), indent=1)
+                           kernels=kernels), indent=1)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")

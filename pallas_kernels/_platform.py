@@ -130,8 +130,12 @@ _ATTENTION = {
     # 5.20 / 5.80 ms for half / all against 4.73 at T=32768, dq 6.60 against 5.56 with all, split dk/dv tiles 2.8x
     # slower (benchmarks/attention_fma_exp_h200.json). The ~8 added FMA-pipe ops per logit cost what they would if
     # run alone, so the kernels are bound by issued instructions next to the matmuls, not by the exp unit; the
-    # option was removed. Flushing denormals (XLA_FLAGS=--xla_gpu_ftz=true) left the times within noise (fwd+bwd 18.55
-    # against 18.78 ms, benchmarks/attention_ftz_h200.json). The forward's key-norm bound shift (fwd_shift='bound':
+    # option was removed. Flushing denormals (XLA_FLAGS=--xla_gpu_ftz=true) drops the fix-up every exp2 carries without
+    # it (FSETP + two predicated FMULs around MUFU.EX2: forward 26.2M -> 19.6M executed instructions, dk/dv 51.1M ->
+    # 44.7M at B=1, T=4096; benchmarks/attention_sass_ftz_h200.json) yet made the forward slower, 4.59 / 4.58 against
+    # 4.29 / 4.32 ms at T=32768 in alternating runs (fwd+bwd 18.52 / 18.34 against 18.15 / 18.13; 4096 likewise):
+    # the exponentials then issue back to back and stall on the MUFU pipe (benchmarks/attention_ftz_ab_h200.json,
+    # earlier benchmarks/attention_ftz_h200.json). The forward's key-norm bound shift (fwd_shift='bound':
     # no running maximum or rescaling) took T=32768 from 4.70 to 4.22 ms, level at 4096
     # (benchmarks/attention_fwd_shift_h200.json); under it the 128 x 128 forward tile with 8 warps and 3 stages stays
     # the fastest of 11 at 32k (256 x 64 with 16 warps 4.34, 128 x 64 4.77 against 4.26 ms;
