@@ -135,7 +135,14 @@ _ATTENTION = {
     # 44.7M at B=1, T=4096; benchmarks/attention_sass_ftz_h200.json) yet made the forward slower, 4.59 / 4.58 against
     # 4.29 / 4.32 ms at T=32768 in alternating runs (fwd+bwd 18.52 / 18.34 against 18.15 / 18.13; 4096 likewise):
     # the exponentials then issue back to back and stall on the MUFU pipe (benchmarks/attention_ftz_ab_h200.json,
-    # earlier benchmarks/attention_ftz_h200.json). The forward's key-norm bound shift (fwd_shift='bound':
+    # earlier benchmarks/attention_ftz_h200.json). One warpgroup per program, so that two programs per SM keep
+    # separate barriers and one's exponentials can meet the other's matmuls: forward 128 x 64 / 128 x 32 / 64 x 64
+    # tiles at 4 warps 5.69 / 4.95 / 4.79 ms against 4.23, dq and dk/dv likewise slower
+    # (benchmarks/attention_one_warpgroup_h200.json). Issue order, measured and removed: dO . V^T issued right after
+    # Q . K^T in dq and dk/dv (before the exponentials), and each forward step as two half-width key tiles with both
+    # Q . K^T first (the second half's exponentials beside the first half's P . V): kernels 1-2% faster alone, fwd+bwd
+    # at T=32768 18.20 / 18.15 / 18.20 against 18.03 / 18.08 / 18.13 ms in three alternating runs
+    # (benchmarks/attention_issue_order_h200.json). The forward's key-norm bound shift (fwd_shift='bound':
     # no running maximum or rescaling) took T=32768 from 4.70 to 4.22 ms, level at 4096
     # (benchmarks/attention_fwd_shift_h200.json); under it the 128 x 128 forward tile with 8 warps and 3 stages stays
     # the fastest of 11 at 32k (256 x 64 with 16 warps 4.34, 128 x 64 4.77 against 4.26 ms;
