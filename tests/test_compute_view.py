@@ -118,9 +118,12 @@ def ops_on(step, state, batches, primitives, in_dtype, out_dtype, shapes) -> lis
 SLICING = ("slice", "dynamic_slice", "gather", "squeeze")
 
 
-# the per-layer view through the trainer's shard_map gradients only (one device: tests/test_train_accumulation.py)
-@pytest.mark.parametrize("devices, per_layer", [(1, False), (4, False), (4, True)],
-                         ids=["one_device", "zero1_4_devices", "zero1_4_devices_per_layer"])
+# the per-layer view through the trainer's shard_map gradients only (one device: tests/test_train_accumulation.py).
+# The default run keeps the case that holds the others' features (ZeRO-1 on 4 devices, per-layer view); the other
+# two are marked slow (about 50 s each of compilation on 2 cores).
+@pytest.mark.parametrize("devices, per_layer", [pytest.param(1, False, id="one_device", marks=pytest.mark.slow),
+                                                pytest.param(4, False, id="zero1_4_devices", marks=pytest.mark.slow),
+                                                pytest.param(4, True, id="zero1_4_devices_per_layer")])
 def test_the_accumulating_step_with_the_view_matches_the_step_without(devices, per_layer):
     step_view, state, batches = accumulating_step(devices, "bfloat16", unrolled=per_layer, per_layer=per_layer)
     step_plain, _, _ = accumulating_step(devices, None, unrolled=per_layer)

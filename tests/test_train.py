@@ -94,6 +94,7 @@ def test_next_phase_starts_from_the_previous_weights_on_another_mesh(straight, t
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.slow  # the chunked loss and its gradients equal the full head's: tests/test_chunked_loss.py
 def test_chunked_head_cross_entropy_trains_like_the_full_logits(straight, tmp_path):
     _, a = straight  # full logits
     c = small_config(steps=3)
