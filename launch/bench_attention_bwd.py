@@ -115,6 +115,9 @@ VARIANTS = {
     "fwd_q256k32w16s3": _fwd(256, 32, 16, 3),
     "fwd_q256k64w8s2": _fwd(256, 64, 8, 2),
     "fwd_q128k64w16s3h2": _fwd(128, 64, 16, 3, 2),
+    # 128 rows as positions x stacked heads of one KV head: each K/V tile read once for 2 or 4 query heads
+    "fwd_q32k128w8s3h4": _fwd(32, 128, 8, 3, 4),
+    "fwd_q64k128w8s3h2": _fwd(64, 128, 8, 3, 2),
     # one warpgroup per program and two programs per SM (<= ~113 KB of shared memory each): their CTA-wide
     # barriers are their own, so one program's exponentials can overlap the other's matmuls
     "fwd_q128k64w4s2": _fwd(128, 64, 4, 2),
@@ -130,6 +133,8 @@ VARIANTS = {
     "dq_q64k64w4s3": _dq(64, 64, 4, 3),
     "dq_q64k64w8s3h2": _dq(64, 64, 8, 3, 2),
     "dq_q64k128w8s2h2": _dq(64, 128, 8, 2, 2),
+    "dq_q32k64w8s4h4": _dq(32, 64, 8, 4, 4),
+    "dq_q64k64w8s4h2": _dq(64, 64, 8, 4, 2),
     # one warpgroup per program, two programs per SM (as the forward's w4 variants)
     "dq_q128k32w4s2": _dq(128, 32, 4, 2),
     "dq_q64k64w4s2": _dq(64, 64, 4, 2),
