@@ -98,7 +98,8 @@ def sass_mix(rows: list[list[str]], top: int = 24) -> dict:
         elif name is not None and col is not None and len(row) == len(col):
             op = _opcode(row[col["Source"]])
             n = _number(row[col["Instructions Executed"]]) or 0
-            stalls = _number(row[col.get("Warp Stall Sampling (All Samples)", -1)]) or 0
+            stall_col = col.get("Warp Stall Sampling (All Samples)")
+            stalls = (_number(row[stall_col]) or 0) if stall_col is not None else 0
             for key, value in (("executed", n), ("stall_samples", stalls)):
                 out[name][key][op] = out[name][key].get(op, 0) + value
     if not out:
@@ -163,7 +164,9 @@ def main():
     except OSError as e:
         raise SystemExit(f"{args.cmd}: cannot read {args.csv}: {e}") from None
     kernels = summarize(rows) if args.cmd == "summarize" else sass_mix(rows)
-    text = json.dumps(dict(shape=args.shape, heads="8 q / 2 kv, d=128, causal, bf16", command=__doc__.split("\n\n")[1],
+    paragraphs = __doc__.split("\n\n")  # the profiling commands of each summary, as the docstring gives them
+    command = paragraphs[1] if args.cmd == "summarize" else "\n".join(paragraphs[2:4])
+    text = json.dumps(dict(shape=args.shape, heads="8 q / 2 kv, d=128, causal, bf16", command=command,
                            kernels=kernels), indent=1)
     if args.out:
         with open(args.out, "w") as f:

@@ -144,12 +144,12 @@ _ATTENTION = {
     # at T=32768 18.20 / 18.15 / 18.20 against 18.03 / 18.08 / 18.13 ms in three alternating runs
     # (benchmarks/attention_issue_order_h200.json). 128-row tiles of stacked heads (each K/V tile read once for 2 or 4
     # query heads) at T=32768: forward 32 x 4 / 64 x 2 rows 4.63 / 4.70 against 4.32 ms, dq 6.58 / 6.64 against 5.88
-    # (benchmarks/attention_stacked_heads_32k_h200.json): K/V traffic does not limit them. The forward's key-norm bound shift (fwd_shift='bound':
-    # no running maximum or rescaling) took T=32768 from 4.70 to 4.22 ms, level at 4096
-    # (benchmarks/attention_fwd_shift_h200.json); under it the 128 x 128 forward tile with 8 warps and 3 stages stays
-    # the fastest of 11 at 32k (256 x 64 with 16 warps 4.34, 128 x 64 4.77 against 4.26 ms;
-    # benchmarks/attention_fwd_bound_tiles_h200.json). Its row sums as p . ones[block_k, 16] on the tensor cores, reduced
-    # once at the end: 128 x 128 tiles then exceed shared memory, 128 x 64 ones took 4.83 ms
+    # (benchmarks/attention_stacked_heads_32k_h200.json): K/V traffic does not limit them. The forward's key-norm
+    # bound shift (fwd_shift='bound': no running maximum or rescaling) took T=32768 from 4.70 to 4.22 ms, level at
+    # 4096 (benchmarks/attention_fwd_shift_h200.json); under it the 128 x 128 forward tile with 8 warps and 3 stages
+    # stays the fastest of 11 at 32k (256 x 64 with 16 warps 4.34, 128 x 64 4.77 against 4.26 ms;
+    # benchmarks/attention_fwd_bound_tiles_h200.json). Its row sums as p . ones[block_k, 16] on the tensor cores,
+    # reduced once at the end: 128 x 128 tiles then exceed shared memory, 128 x 64 ones took 4.83 ms
     # (benchmarks/attention_fwd_rowsum_h200.json); removed. Nsight Compute at B=1, T=16384
     # (benchmarks/attention_ncu_16k_h200.json, launch/ncu_attention.py): the split dq and dk/dv kernels keep the
     # tensor pipe 62% active, cuDNN's backward 64%: the backward's gap is its 7 matmuls per tile against cuDNN's 5,

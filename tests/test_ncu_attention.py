@@ -49,3 +49,10 @@ def test_sass_mix_counts_executed_opcodes_per_kernel():
 def test_sass_mix_rejects_other_pages():
     with pytest.raises(SystemExit, match="Kernel Name"):
         sass_mix([["ID", "Kernel Name"], ["0", "x"]])
+
+
+def test_sass_mix_without_stall_sampling_counts_no_stalls():
+    rows = [["Kernel Name", "k", ""], ["Address", "Source", "Instructions Executed"],
+            ["0x10", "  MUFU.EX2 R1, R2 ;", "7"]]
+    out = sass_mix(rows)["k"]
+    assert out["top_opcodes"] == {"MUFU.EX2": 7} and out["stall_samples"] == {}
