@@ -124,9 +124,7 @@ PROGRAMS = {"one_device": (1, K, 1, False), "zero1_4_devices": (4, K, 1, False),
             "one_device_grouped_per_layer": (1, 4, 2, True)}
 
 
-# one device without grouping is marked slow: the grouped per-layer program is the default run's one-device case
-@pytest.fixture(scope="module", params=[pytest.param("one_device", marks=pytest.mark.slow), "zero1_4_devices",
-                                        "one_device_grouped_per_layer"])
+@pytest.fixture(scope="module", params=list(PROGRAMS))
 def program(request):
     calls = []
     devices, k, grads_per_pass, unrolled = PROGRAMS[request.param]
