@@ -58,7 +58,6 @@ def test_resume_is_exact(straight, tmp_path):
         assert resumed[s] == full[s], (s, resumed[s], full[s])  # bitwise on the CPU
 
 
-@pytest.mark.slow  # the accumulating program against averaged microbatch gradients: tests/test_train_accumulation.py
 def test_gradient_accumulation_equals_a_larger_batch(tmp_path):
     def final_params(**train):
         c = small_config(steps=1, checkpoint_every=1, **train)
