@@ -115,11 +115,11 @@ VARIANTS = {
     "fwd_q256k32w16s3": _fwd(256, 32, 16, 3),
     "fwd_q256k64w8s2": _fwd(256, 64, 8, 2),
     "fwd_q128k64w16s3h2": _fwd(128, 64, 16, 3, 2),
-    # 128 rows as positions x stacked heads of one KV head: each K/V tile read once for 2 or 4 query heads
+    # 128 rows as positions x stacked heads of one KV head: each K/V tile read once for 2 or 4 query heads (slower)
     "fwd_q32k128w8s3h4": _fwd(32, 128, 8, 3, 4),
     "fwd_q64k128w8s3h2": _fwd(64, 128, 8, 3, 2),
-    # one warpgroup per program and two programs per SM (<= ~113 KB of shared memory each): their CTA-wide
-    # barriers are their own, so one program's exponentials can overlap the other's matmuls
+    # one warpgroup per program and two programs per SM (<= ~113 KB of shared memory each), so that one program's
+    # exponentials could overlap the other's matmuls (measured slower at 32k: _platform's table notes)
     "fwd_q128k64w4s2": _fwd(128, 64, 4, 2),
     "fwd_q128k32w4s3": _fwd(128, 32, 4, 3),
     "fwd_q128k32w4s2": _fwd(128, 32, 4, 2),
