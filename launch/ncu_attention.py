@@ -25,6 +25,7 @@ and the stall reasons per issued instruction.
 from __future__ import annotations
 
 import argparse
+import collections
 import csv
 import dataclasses
 import json
@@ -88,31 +89,26 @@ def sass_mix(rows: list[list[str]], top: int = 24) -> dict:
     """ncu's source page as CSV (per kernel: a 'Kernel Name' row, a header row starting 'Address', one row per SASS
     instruction) -> per kernel: executed warp instructions in all, and the `top` opcodes by executed count, with
     the warp-stall samples taken at each."""
-    out, name, col = {}, None, None
+    executed, stalls, name, col = {}, {}, None, None
     for row in rows:
         if len(row) >= 2 and row[0] == "Kernel Name":
             name, col = row[1], None
-            out.setdefault(name, {"executed": {}, "stall_samples": {}})
+            executed.setdefault(name, collections.Counter())
+            stalls.setdefault(name, collections.Counter())
         elif row and row[0] == "Address":
             col = {h: i for i, h in enumerate(row)}
+            stall_col = col.get("Warp Stall Sampling (All Samples)")
         elif name is not None and col is not None and len(row) == len(col):
             op = _opcode(row[col["Source"]])
-            n = _number(row[col["Instructions Executed"]]) or 0
-            stall_col = col.get("Warp Stall Sampling (All Samples)")
-            stalls = (_number(row[stall_col]) or 0) if stall_col is not None else 0
-            for key, value in (("executed", n), ("stall_samples", stalls)):
-                out[name][key][op] = out[name][key].get(op, 0) + value
-    if not out:
+            executed[name][op] += _number(row[col["Instructions Executed"]]) or 0
+            if stall_col is not None:
+                stalls[name][op] += _number(row[stall_col]) or 0
+    if not executed:
         raise SystemExit("sass: expected ncu's '--page source --print-source sass --csv' output ('Kernel Name' rows)")
-    summary = {}
-    for kernel, counts in out.items():
-        executed = sorted(counts["executed"].items(), key=lambda kv: -kv[1])
-        summary[kernel] = dict(
-            warp_instructions=sum(n for _, n in executed),
-            top_opcodes={op: int(n) for op, n in executed[:top]},
-            stall_samples={op: int(n) for op, n in sorted(counts["stall_samples"].items(), key=lambda kv: -kv[1])[:12]
-                           if n})
-    return summary
+    return {kernel: dict(warp_instructions=sum(counts.values()),
+                         top_opcodes={op: int(n) for op, n in counts.most_common(top)},
+                         stall_samples={op: int(n) for op, n in stalls[kernel].most_common(12) if n})
+            for kernel, counts in executed.items()}
 
 
 def once(shape: str, impls: list[str]):
