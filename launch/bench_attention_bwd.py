@@ -139,11 +139,6 @@ VARIANTS = {
     "dq_q128k32w4s2": _dq(128, 32, 4, 2),
     "dq_q64k64w4s2": _dq(64, 64, 4, 2),
     "dkv_q16h4k64w4s2": _dkv(16, 4, 64, 4, 2),
-    # loop-invariant matmul operands doubled in registers (the *_regs fields)
-    "fwd_regs": dict(fwd_regs=True),
-    "dq_regs": dict(dq_regs=True),
-    "dkv_regs": dict(dkv_regs=True),
-    "all_regs": dict(fwd_regs=True, dq_regs=True, dkv_regs=True),
 }
 
 

@@ -95,12 +95,6 @@ def _stats_unstack(vec, heads: int):
     return vec if heads == 1 else vec.reshape(vec.shape[0] // heads, heads).T
 
 
-def _doubled(x):
-    """2 * x, exact in floating point. A matmul operand loaded from memory is read from shared memory at every
-    step; computed in registers, Triton can feed it to the tensor cores from there (Hopper's register-A wgmma)."""
-    return x * jnp.asarray(2, x.dtype)
-
-
 def _three_loops(rng_ref, run, carry):
     """run(lo, hi, carry, masked) over [lo, u0) masked, [u0, u1) unmasked, [u1, hi) masked."""
     lo, u0, u1, hi = rng_ref[0], rng_ref[1], rng_ref[2], rng_ref[3]
@@ -160,7 +154,7 @@ def key_norm_bound(k, scale: float):
 
 
 def _fwd_kernel(rng_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *rest, c, block_k, heads, has_seg, has_window, mode,
-                kv_heads, blocks_per_kv, regs):
+                kv_heads, blocks_per_kv):
     """mode 'online': every tile with the running maximum. 'bound': tiles whose rows' bounds are all <= BOUND_SHIFT_MAX
     with the bound shift; the others get lse NaN (and o 0). 'fallback': o and lse come in aliased to the outputs,
     and only tiles whose lse is NaN are computed (online) and stored. One loop kind per kernel: with both in one
@@ -175,10 +169,6 @@ def _fwd_kernel(rng_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *rest, c, block_k,
     q_seg = _per_row(qs_ref[...], heads)[:, None] if has_seg else None
 
     def run(q, shift, lo, hi, carry, masked):
-        c_dot = c  # the scale of the raw dot: halved when q is doubled
-        if regs:
-            q, c_dot = _doubled(q), 0.5 * c
-
         def step(j, carry):
             acc, m, l = carry
             start = pl.multiple_of(j * block_k, block_k)
@@ -187,16 +177,16 @@ def _fwd_kernel(rng_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *rest, c, block_k,
                 kv_seg = ks_ref[pl.ds(start, block_k)][None, :] if has_seg else None
                 ok = _visible(q_pos, kp_ref[pl.ds(start, block_k)][None, :], q_seg, kv_seg, window)
             if shift is not None:  # bound: no running maximum, no rescaling
-                s = qk * c_dot - shift[:, None]
+                s = qk * c - shift[:, None]
                 p = jnp.exp2(jnp.where(ok, s, NEG) if masked else s)
             else:
                 if masked:
-                    s = jnp.where(ok, qk * c_dot, NEG)
+                    s = jnp.where(ok, qk * c, NEG)
                     m_new = jnp.maximum(m, jnp.max(s, axis=1))
                     p = jnp.exp2(s - m_new[:, None])
                 else:  # the row maxima scaled separately: one fused multiply-add per logit
-                    m_new = jnp.maximum(m, jnp.max(qk, axis=1) * c_dot)
-                    p = jnp.exp2(qk * c_dot - m_new[:, None])
+                    m_new = jnp.maximum(m, jnp.max(qk, axis=1) * c)
+                    p = jnp.exp2(qk * c - m_new[:, None])
                 alpha = jnp.exp2(m - m_new)
                 acc, m, l = acc * alpha[:, None], m_new, l * alpha
             v = v_ref[pl.ds(start, block_k), :]
@@ -261,8 +251,7 @@ def forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, window, ranges, *, scale, blo
     def call(mode, extra_specs, extra_args, aliases=None):
         return pl.pallas_call(
             functools.partial(_fwd_kernel, c=scale * LOG2E, block_k=bk, heads=heads, has_seg=q_seg is not None,
-                              has_window=window is not None, mode=mode, kv_heads=KV, blocks_per_kv=H // KV // heads,
-                              regs=blocks.fwd_regs),
+                              has_window=window is not None, mode=mode, kv_heads=KV, blocks_per_kv=H // KV // heads),
             grid=(H // heads, B, Tp // bq),
             in_specs=in_specs + extra_specs + opt_specs,
             out_specs=[sp["q"], sp["stats"]],
@@ -281,13 +270,11 @@ def forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, window, ranges, *, scale, blo
 
 # ----------------------------------------------------------------------------------------------------------- dq
 def _dq_kernel(rng_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, *rest, c, scale,
-               block_k, heads, has_seg, has_window, regs):
+               block_k, heads, has_seg, has_window):
     qs_ref, ks_ref, window, (dq_ref,) = _optional_refs(rest, has_seg, has_window, 1)
     q, do = _stack(q_ref[...], heads), _stack(do_ref[...], heads)
     lse = _stats_rows(lse_ref[...], heads)[:, None]
     delta = _stats_rows(delta_ref[...], heads)[:, None]
-    if regs:  # q and do doubled: the logits' scale halves, dp and so ds and dq come out doubled
-        q, do, c, delta, scale = _doubled(q), _doubled(do), 0.5 * c, 2.0 * delta, 0.5 * scale
     q_pos = _per_row(qp_ref[...], heads)[:, None]
     q_seg = _per_row(qs_ref[...], heads)[:, None] if has_seg else None
 
@@ -324,7 +311,7 @@ def backward_dq(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, 
                 sp["kv_vec"]] + opt_specs
     return pl.pallas_call(
         functools.partial(_dq_kernel, c=scale * LOG2E, scale=scale, block_k=bk, heads=heads,
-                          has_seg=q_seg is not None, has_window=window is not None, regs=blocks.dq_regs),
+                          has_seg=q_seg is not None, has_window=window is not None),
         grid=(H // heads, B, Tp // bq),
         in_specs=in_specs,
         out_specs=sp["q"],
@@ -336,7 +323,7 @@ def backward_dq(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, 
 
 # ------------------------------------------------------------------------------------------------------- dk, dv
 def _dkv_kernel(rng_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, *rest, c, scale,
-                block_q, groups, heads, has_seg, has_window, with_dq, store_ds, regs):
+                block_q, groups, heads, has_seg, has_window, with_dq, store_ds):
     """One key block of one KV head; loops over (query block, block of `heads` query heads) pairs of its group.
     The logits are computed transposed ([block_k, query rows]) so dk and dv accumulate without transposes.
     with_dq (the fused backward): each step also adds its unscaled dq contribution ds . k to the zero-initialised
@@ -349,9 +336,6 @@ def _dkv_kernel(rng_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref
     else:
         qs_ref, ks_ref, window, (dk_ref, dv_ref) = _optional_refs(rest, has_seg, has_window, 2)
     k, v = k_ref[...], v_ref[...]
-    k_dot, v_dot, c_dot, ds_scale = k, v, c, 1.0
-    if regs:  # k and v doubled in their own matmuls: the logits' scale halves, dp and so ds come out doubled
-        k_dot, v_dot, c_dot, ds_scale = _doubled(k), _doubled(v), 0.5 * c, 2.0
     kv_pos = kp_ref[...][:, None]
     kv_seg = ks_ref[...][:, None] if has_seg else None
     head_blocks = groups // heads
@@ -375,17 +359,17 @@ def _dkv_kernel(rng_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref
             else:
                 pos, hd = start + row_pos, h0 + row_head
             q, do = q_ref[pos, hd, :], do_ref[pos, hd, :]  # [query rows, dp]
-            qk_t = plgpu.dot(k_dot, q, trans_b=True)  # [block_k, query rows]
+            qk_t = plgpu.dot(k, q, trans_b=True)  # [block_k, query rows]
             lse = lse_ref[hd, pos][None, :]
             if masked:
                 q_seg = qs_ref[pos][None, :] if has_seg else None
                 ok = _visible(qp_ref[pos][None, :], kv_pos, q_seg, kv_seg, window)
-                p_t = jnp.exp2(jnp.where(ok, qk_t * c_dot, NEG) - lse)
+                p_t = jnp.exp2(jnp.where(ok, qk_t * c, NEG) - lse)
             else:
-                p_t = jnp.exp2(qk_t * c_dot - lse)
+                p_t = jnp.exp2(qk_t * c - lse)
             dv = dv + plgpu.dot(p_t.astype(do.dtype), do)
-            dp_t = plgpu.dot(v_dot, do, trans_b=True)
-            ds_t = (p_t * (dp_t - ds_scale * delta_ref[hd, pos][None, :])).astype(q.dtype)
+            dp_t = plgpu.dot(v, do, trans_b=True)
+            ds_t = (p_t * (dp_t - delta_ref[hd, pos][None, :])).astype(q.dtype)
             if with_dq:
                 dq_part = plgpu.dot(ds_t, k, trans_a=True)  # [query rows, dp]
                 # stacked: integer indices on every axis (the interpreter's atomics reject mixed slice/array ones)
@@ -398,7 +382,7 @@ def _dkv_kernel(rng_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref
 
     zeros = jnp.zeros(k.shape, F32)
     dk, dv = _three_loops(rng_ref, run, (zeros, zeros))
-    dk_ref[...] = (dk * (scale / ds_scale)).astype(dk_ref.dtype)
+    dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
@@ -477,8 +461,7 @@ def _dkv_call(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ra
         out_shapes.append(_vma.out_struct((B, KV * split, n_tiles, bk, bq * heads), q.dtype, q))
     outs = pl.pallas_call(
         functools.partial(_dkv_kernel, c=scale * LOG2E, scale=scale, block_q=bq, groups=groups, heads=heads,
-                          has_seg=has_seg, has_window=window is not None, with_dq=with_dq, store_ds=store_ds,
-                          regs=blocks.dkv_regs and not (with_dq or store_ds)),
+                          has_seg=has_seg, has_window=window is not None, with_dq=with_dq, store_ds=store_ds),
         grid=(KV * split, B, nk),
         in_specs=in_specs,
         out_specs=out_specs,

@@ -61,21 +61,16 @@ class AttentionBlocks:
     # Softmax shift of the forward: 'bound' subtracts each row's Cauchy-Schwarz bound on its logits where that is
     # small enough (no running maximum, no rescaling; see _attention_kernels), 'online' always keeps a running max.
     fwd_shift: str = "bound"
-    # *_regs: the kernel's loop-invariant matmul operands (forward: q; dq: q, dO; dk/dv: k, v) doubled in registers
-    # (exact), so that Triton may feed them to the tensor cores from registers instead of shared memory.
-    fwd_regs: bool = False
     dq_q: int = 128
     dq_k: int = 64
     dq_warps: int = 8
     dq_stages: int = 3
     dq_heads: int = 1
-    dq_regs: bool = False
     dkv_q: int = 32
     dkv_k: int = 128
     dkv_warps: int = 8
     dkv_stages: int = 3
     dkv_heads: int = 1
-    dkv_regs: bool = False
     dkv_split: int = 0  # programs per KV head in dk/dv (0: enough to fill the GPU, see backward_dkv)
     # Backward: 'split' = a dq kernel over key blocks + a dk/dv kernel over query blocks (deterministic);
     # 'atomic' = one kernel with the dk/dv tiling adding dq with fp32 atomics (5 matmuls per tile instead of 7,
