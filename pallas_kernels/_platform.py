@@ -144,7 +144,10 @@ _ATTENTION = {
     # at T=32768 18.20 / 18.15 / 18.20 against 18.03 / 18.08 / 18.13 ms in three alternating runs
     # (benchmarks/attention_issue_order_h200.json). 128-row tiles of stacked heads (each K/V tile read once for 2 or 4
     # query heads) at T=32768: forward 32 x 4 / 64 x 2 rows 4.63 / 4.70 against 4.32 ms, dq 6.58 / 6.64 against 5.88
-    # (benchmarks/attention_stacked_heads_32k_h200.json): K/V traffic does not limit them. The forward's key-norm
+    # (benchmarks/attention_stacked_heads_32k_h200.json): K/V traffic does not limit them. The loop-invariant matmul
+    # operands (forward q; dq's q and dO; dk/dv's k and v) doubled in registers (exact), so that Triton feeds them to
+    # the tensor cores from registers, not shared memory: forward 4.73 against 4.27 ms, dq 6.65 against 5.54, dk/dv
+    # 8.99 against 7.92 at T=32768, slower at 4096 too (benchmarks/attention_regs_h200.json); removed. The forward's key-norm
     # bound shift (fwd_shift='bound': no running maximum or rescaling) took T=32768 from 4.70 to 4.22 ms, level at
     # 4096 (benchmarks/attention_fwd_shift_h200.json); under it the 128 x 128 forward tile with 8 warps and 3 stages
     # stays the fastest of 11 at 32k (256 x 64 with 16 warps 4.34, 128 x 64 4.77 against 4.26 ms;
