@@ -147,7 +147,11 @@ _ATTENTION = {
     # (benchmarks/attention_stacked_heads_32k_h200.json): K/V traffic does not limit them. The loop-invariant matmul
     # operands (forward q; dq's q and dO; dk/dv's k and v) doubled in registers (exact), so that Triton feeds them to
     # the tensor cores from registers, not shared memory: forward 4.73 against 4.27 ms, dq 6.65 against 5.54, dk/dv
-    # 8.99 against 7.92 at T=32768, slower at 4096 too (benchmarks/attention_regs_h200.json); removed. The forward's key-norm
+    # 8.99 against 7.92 at T=32768, slower at 4096 too (benchmarks/attention_regs_h200.json); removed. The bulk
+    # reduce-add of the tensor memory accelerator, with which FA3 and cuDNN add dq tiles (the fused backward's 5
+    # matmuls without per-element atomics), is not reachable: a device-side tensor descriptor faults because XLA passes
+    # Triton's global scratch buffer as a null pointer, and building one by hand needs TritonNvidiaGPU ops XLA does not
+    # parse (launch/probe_tma.py, benchmarks/attention_tma_probe_h200.json). The forward's key-norm
     # bound shift (fwd_shift='bound': no running maximum or rescaling) took T=32768 from 4.70 to 4.22 ms, level at
     # 4096 (benchmarks/attention_fwd_shift_h200.json); under it the 128 x 128 forward tile with 8 warps and 3 stages
     # stays the fastest of 11 at 32k (256 x 64 with 16 warps 4.34, 128 x 64 4.77 against 4.26 ms;
