@@ -14,6 +14,6 @@ def get_config() -> ConfigDict:
     c = _phase3()
     c.data.weights = ConfigDict(dict(web=0.40, code=0.30, math=0.20, reasoning=0.10))  # phase-2 mixture replayed
     c.train.update(dict(init_from="runs/phase3", steps=3000))  # token count not published: ~90B tokens here
-    c.optim.update(dict(schedule="wsd", warmup_steps=0, total_steps=3000, decay_fraction=1.0, cooldown="1-sqrt",
+    c.optim.update(dict(schedule="wsd", warmup_steps=0, decay_fraction=1.0, cooldown="1-sqrt",
                         learning_rate=5e-4))
     return c

@@ -45,7 +45,8 @@ def get_config() -> ConfigDict:
         defer_expert_wgrad=True,
         fault="",  # fault injection for drills/tests, e.g. "nan@12,hang@30" (zaya_jax/fault/inject.py)
     ))
-    c.optim = ConfigDict(dict(learning_rate=3e-3, schedule="wsd", warmup_steps=20, total_steps=200,
+    # total_steps 0: the schedule follows train.steps (raising it on a finished run keeps training at a real rate)
+    c.optim = ConfigDict(dict(learning_rate=3e-3, schedule="wsd", warmup_steps=20, total_steps=0,
                               decay_fraction=0.3, weight_decay=0.0, clip_norm=1.0))
     c.balancing = ConfigDict(dict(learning_rate=5e-3))  # fast enough to balance a short run (measured on a toy)
     c.mesh = ConfigDict(dict(data=-1, context=1, num_devices=0))  # num_devices 0 = all

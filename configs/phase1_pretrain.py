@@ -13,5 +13,4 @@ def get_config() -> ConfigDict:
     c = _base()
     c.data.weights = ConfigDict(dict(web=0.75, code=0.15, math=0.10))
     c.train.steps = 8_000_000_000_000 // c.train.global_batch_tokens  # 476,837 steps
-    c.optim.total_steps = c.train.steps
     return c

@@ -15,5 +15,5 @@ def get_config() -> ConfigDict:
     c.data.weights = ConfigDict(dict(web=0.40, code=0.30, math=0.20, reasoning=0.10))
     c.train.steps = 4_000_000_000_000 // c.train.global_batch_tokens  # 238,418 steps
     c.train.init_from = "runs/phase1"
-    c.optim.update(dict(total_steps=c.train.steps, warmup_steps=500))
+    c.optim.update(dict(warmup_steps=500))
     return c

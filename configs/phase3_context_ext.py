@@ -19,6 +19,6 @@ def get_config() -> ConfigDict:
     c.data.weights = ConfigDict(dict(long=0.35, reasoning=0.25, math=0.15, code=0.15, web=0.10))
     c.train.update(dict(global_batch_tokens=912 * 32768, microbatch_tokens=912 * 32768, init_from="runs/phase2",
                         steps=1_000_000_000_000 // (912 * 32768)))  # ~1T tokens, 33,460 steps
-    c.optim.update(dict(total_steps=c.train.steps, warmup_steps=200))
+    c.optim.update(dict(warmup_steps=200))
     c.mesh.context = 2
     return c

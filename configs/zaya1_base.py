@@ -29,7 +29,7 @@ def get_config() -> ConfigDict:
     c.train.update(dict(steps=480_000, global_batch_tokens=4096 * 4096, microbatch_tokens=4096 * 4096,
                         log_every=10, ce_chunk_tokens=8192, eval_every=1000, eval_batches=16, checkpoint_every=250,
                         keep_checkpoints=5))
-    c.optim = ConfigDict(dict(learning_rate=2e-3, schedule="wsd", warmup_steps=2000, total_steps=480_000,
+    c.optim = ConfigDict(dict(learning_rate=2e-3, schedule="wsd", warmup_steps=2000, total_steps=0,
                               decay_fraction=0.1, weight_decay=0.1, clip_norm=1.0,
                               muon_gram_impl="pallas"))  # symmetric Gram kernel: NS step 1.34x (muon_h200.json)
     c.balancing = ConfigDict(dict(learning_rate=1e-3))

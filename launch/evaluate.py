@@ -1,7 +1,9 @@
-"""python -m launch.evaluate --config configs/X.py --workdir DIR [--step N] [--max_batches K]
+"""python -m launch.evaluate --workdir DIR [--step N] [--max_batches K] [--config configs/X.py]
 
-Scores a training checkpoint (loss and perplexity per held-out source) with the run's own config."""
+Scores a training checkpoint (loss and perplexity per held-out source) with the run's own config: the one recorded
+in DIR/run.json, unless --config names another."""
 
+import functools
 import json
 import os
 import sys
@@ -16,13 +18,17 @@ flags.DEFINE_integer("step", None, "checkpoint step (default: latest)")
 flags.DEFINE_integer("max_batches", None, "eval batches per source (default: all)")
 
 
-def main(argv):
+def main(argv, open_flags=None):
     logging.set_verbosity(logging.WARNING)
+    from zaya_jax.train.cli_config import OpenFlags, command_line_config
     from zaya_jax.train.evaluate import evaluate_checkpoint
     F = flags.FLAGS
-    out = evaluate_checkpoint(F.config, F.workdir, step=F.step, max_batches=F.max_batches)
+    config = command_line_config(F["config"], open_flags or OpenFlags(), F.workdir)
+    out = evaluate_checkpoint(config, F.workdir, step=F.step, max_batches=F.max_batches)
     print(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
-    app.run(main, argv=sys.argv)
+    from zaya_jax.train.cli_config import split_open_flags
+    sys.argv[:], _open = split_open_flags(sys.argv)  # ml-collections reads sys.argv for its own overrides
+    app.run(functools.partial(main, open_flags=_open), argv=sys.argv)

@@ -1,9 +1,13 @@
 """python -m launch.train [--config configs/default.py] [--workdir runs/default] [--config.key=value ...]
 
 Trains (or resumes, when DIR/checkpoints holds a checkpoint) with the given ml-collections config. Metrics go to
-DIR/metrics.jsonl and DIR/tensorboard; checkpoints to DIR/checkpoints.
+DIR/metrics.jsonl and DIR/tensorboard; checkpoints to DIR/checkpoints; the resolved config to DIR/run.json.
+Sources, weights and model fields by name: --config.data.sources.web=PREFIX --config.data.valid_sources.web=P
+--config.data.weights.web=0.7 --config.model.overrides.vocab_size=1024. Without --config, a run directory that
+holds run.json resumes with its recorded config (flags given change it, e.g. --config.train.steps=400).
 """
 
+import functools
 import os
 import sys
 
@@ -15,12 +19,16 @@ config_flags.DEFINE_config_file("config", _DEFAULT, "ml-collections config file"
 flags.DEFINE_string("workdir", "runs/default", "run directory (metrics, checkpoints)")
 
 
-def main(argv):
+def main(argv, open_flags=None):
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save step at INFO
+    from zaya_jax.train.cli_config import OpenFlags, command_line_config
     from zaya_jax.train.loop import run
-    last = run(flags.FLAGS.config, flags.FLAGS.workdir)
+    config = command_line_config(flags.FLAGS["config"], open_flags or OpenFlags(), flags.FLAGS.workdir)
+    last = run(config, flags.FLAGS.workdir)
     print("final: " + " ".join(f"{k}={v:.4g}" for k, v in sorted(last.items())))
 
 
 if __name__ == "__main__":
-    app.run(main, argv=sys.argv)
+    from zaya_jax.train.cli_config import split_open_flags
+    sys.argv[:], _open = split_open_flags(sys.argv)  # ml-collections reads sys.argv for its own overrides
+    app.run(functools.partial(main, open_flags=_open), argv=sys.argv)

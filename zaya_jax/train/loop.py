@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import ConfigDict
 
-from zaya_jax.checkpoint.manager import CheckpointManager, abstract_like, restore_subset
+from zaya_jax.checkpoint.manager import CheckpointManager, abstract_like
 from zaya_jax.config import ModelConfig, preset
 from zaya_jax.data import builtin_corpus, load_tokenizer, train_iterator
 from zaya_jax.fault.control import beat, read_control, skipped
@@ -36,7 +36,9 @@ from zaya_jax.parallel.sharding import (combine_threshold_options, describe_opti
                                          zero1_spec_fn, zero_axes)
 from zaya_jax.parallel.zigzag import Zigzag
 from zaya_jax.train.evaluate import Evaluator
+from zaya_jax.train import run_record
 from zaya_jax.train.flops import flops_per_token
+from zaya_jax.train.init_from import initialize_from
 from zaya_jax.train.metrics import MetricsWriter, Throughput
 from zaya_jax.train.step import make_accumulating_train_step, make_local_loss_sums
 
@@ -152,6 +154,9 @@ def setup(config: ConfigDict, *, log=print) -> Setup:
     tok = load_tokenizer(config.data.tokenizer)
     if tok.vocab_size > cfg.vocab_size:
         raise TrainConfigError(f"tokenizer has {tok.vocab_size} ids but the model's vocab_size is {cfg.vocab_size}")
+    if config.data.builtin and config.data.sources:
+        raise TrainConfigError(f"data.builtin is True but data.sources names {sorted(config.data.sources)}: set "
+                               "data.builtin=False to train on them")
     if config.data.builtin:
         corpus = builtin_corpus(tok)
         train_sources, valid_sources = corpus.train, corpus.valid
@@ -164,7 +169,7 @@ def setup(config: ConfigDict, *, log=print) -> Setup:
     if set(weights) != set(train_sources):
         raise TrainConfigError(f"data.weights names {sorted(weights)} but the training sources are "
                                f"{sorted(train_sources)}: give every source a weight")
-    ocfg = OptimizerConfig(**dict(config.optim))
+    ocfg = optimizer_config(config)
     tx = build_optimizer(ocfg, None, log=None)
     par = ParallelConfig.from_config(config)
     if par.zero1:  # optimizer state sharded over the batch axes (parallel/sharding.py); a no-op on one device
@@ -174,6 +179,19 @@ def setup(config: ConfigDict, *, log=print) -> Setup:
     log(describe_optimizer_memory(state["opt_state"], mesh))
     meta = {"model": cfg.to_hf_dict(), "seq_len": plan.seq_len}
     return Setup(plan, mesh, train_sources, valid_sources, ocfg, tx, graphdef, state, meta, par)
+
+
+def optimizer_config(config: ConfigDict) -> OptimizerConfig:
+    """The schedule follows the run: optim.total_steps 0 (or unset) means train.steps; one shorter than
+    train.steps is refused (its last steps would train at learning rate 0)."""
+    o = dict(config.optim)
+    total, steps = int(o.get("total_steps") or 0), int(config.train.steps)
+    if total <= 0:
+        o["total_steps"] = steps
+    elif total < steps:
+        raise TrainConfigError(f"train.steps={steps} runs past optim.total_steps={total} (learning rate 0 after it): "
+                               f"set --config.optim.total_steps={steps}, or 0 to follow train.steps")
+    return OptimizerConfig(**o)
 
 
 def checkpoint_manager(config: ConfigDict, workdir: str) -> CheckpointManager:
@@ -192,17 +210,13 @@ def run(config: ConfigDict, workdir: str, *, log=print) -> dict:
 
     ckpt = checkpoint_manager(config, workdir)
     data_state, start = None, 0
+    run_record.ensure(config, workdir, resuming=ckpt.latest_step() is not None, write=lead, log=log)
     if ckpt.latest_step() is not None:
         restored = ckpt.restore(abstract_like(state), expect_meta=meta)
         state, data_state, start = restored.state, restored.data, restored.step
         log(f"resumed from {ckpt.directory} step {start}")
-    elif config.train.get("init_from"):
-        src = config.train.init_from
-        src = os.path.join(src, "checkpoints") if os.path.isdir(os.path.join(src, "checkpoints")) else src
-        subset = {k: state[k] for k in ("params", "model_state")}
-        step0, loaded = restore_subset(src, abstract_like(subset))
-        state = {**state, **loaded}
-        log(f"initialised parameters and balancing biases from {src} step {step0} (fresh optimizer and data)")
+    elif config.train.get("init_from"):  # a previous run or a Hugging Face directory
+        state = initialize_from(config.train.init_from, state, cfg, log=log)
 
     if start >= plan.steps:
         log(f"{workdir}: already trained to step {start} of {plan.steps}; nothing to do "

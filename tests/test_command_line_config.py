@@ -1,0 +1,67 @@
+"""The README's command-line syntax builds the config launch.train and launch.evaluate run with (issue #34 item 1):
+sources, held-out sources, weights and any ModelConfig field by name, for every shipped config; contradictory
+settings are refused in one line. Parsed exactly as the launchers parse (absl flags + ml-collections)."""
+
+import os
+
+import pytest
+from absl import flags
+from ml_collections import config_flags
+
+from zaya_jax.config import ConfigError
+from zaya_jax.train.cli_config import command_line_config, split_open_flags
+from zaya_jax.train.loop import TrainConfigError, make_plan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def parse(*args, config="default"):
+    """What `python -m launch.train --config configs/CONFIG.py ARGS` resolves to."""
+    argv = ["launch.train", f"--config={ROOT}/configs/{config}.py", *args]
+    rest, open_flags = split_open_flags(argv)
+    fv = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, flag_values=fv, lock_config=True, sys_argv=rest)
+    fv(rest)
+    return command_line_config(fv["config"], open_flags)
+
+
+@pytest.mark.parametrize("name", ["default", "zaya1_base", "phase1_pretrain", "anneal"])
+def test_readme_data_syntax_on_every_config(name):
+    c = parse("--config.data.sources.web=/data/web_text_document", "--config.data.valid_sources.web=/data/web_valid",
+              "--config.data.sources.code", "/data/code", config=name)
+    assert dict(c.data.sources) == {"web": "/data/web_text_document", "code": "/data/code"}
+    assert dict(c.data.valid_sources) == {"web": "/data/web_valid"}
+    assert c.data.builtin is False
+    if name in ("default", "zaya1_base"):  # the built-in corpus's weights (same names) / equal weights
+        assert set(c.data.weights) == {"web", "code"}
+
+
+def test_weights_and_model_fields_by_name():
+    c = parse("--config.data.sources.web=W", "--config.data.sources.code=C", "--config.data.weights.web=0.7",
+              "--config.data.weights.code=0.3", "--config.model.overrides.vocab_size=1024",
+              "--config.model.overrides.tie_word_embeddings=false", "--config.model.overrides.rms_norm_eps=1e-6",
+              "--config.model.overrides.eos_token_id=None", "--config.model.overrides.dtype=bfloat16")
+    assert dict(c.data.weights) == {"web": 0.7, "code": 0.3}
+    plan = make_plan(c)
+    assert plan.model.vocab_size == 1024 and plan.model.tie_word_embeddings is False
+    assert plan.model.rms_norm_eps == 1e-6 and plan.model.eos_token_id is None and plan.model.dtype == "bfloat16"
+    assert plan.model.remat == "none"  # the file's own override kept
+
+
+def test_contradictions_and_typos_are_one_line():
+    with pytest.raises(TrainConfigError, match=r"^--config.data.builtin=True contradicts data.sources \(web\)"):
+        parse("--config.data.builtin=True", "--config.data.sources.web=W")
+    with pytest.raises(TrainConfigError, match="data.valid_sources needs data.sources"):
+        parse("--config.data.valid_sources.web=W")
+    with pytest.raises(ConfigError, match="ModelConfig has no field 'vocab'"):
+        parse("--config.model.overrides.vocab=7")
+    with pytest.raises(ConfigError, match="overrides.vocab_size=big: not a value of type int"):
+        parse("--config.model.overrides.vocab_size=big")
+    with pytest.raises(TrainConfigError, match="data.weights.web=heavy: not a number"):
+        parse("--config.data.sources.web=W", "--config.data.weights.web=heavy")
+
+
+def test_dict_form_turns_the_builtin_corpus_off():
+    c = parse("--config.data.sources={'web': '/data/web'}")
+    assert c.data.builtin is False and dict(c.data.sources) == {"web": "/data/web"}
+    assert dict(c.data.weights) == {"web": 1.0}

@@ -1,0 +1,151 @@
+"""The run config from the command line: ml-collections flags plus the open dictionaries it cannot fill.
+
+A config file's `data.sources`, `data.valid_sources`, `data.weights` and `model.overrides` start (nearly) empty,
+and ml-collections refuses keys a locked config does not already have (`--config.data.sources.web=P` ->
+AttributeError). `split_open_flags` takes those flags out of argv before absl parses it; `resolve` then sets them,
+typed (weights as floats, model overrides by their ModelConfig field type), and settles `data.builtin`: naming
+sources turns the built-in corpus off, or is refused when `--config.data.builtin=True` is given as well.
+Without `--config`, a run directory's recorded config (run_record.py) is the base, so a resume repeats nothing.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import re
+
+from ml_collections import ConfigDict
+
+from zaya_jax.config import ConfigError, ModelConfig
+
+OPEN = ("data.sources", "data.valid_sources", "data.weights", "model.overrides")
+_OPEN_FLAG = re.compile(r"^--?config\.(data\.sources|data\.valid_sources|data\.weights|model\.overrides)"
+                        r"\.([A-Za-z_][A-Za-z0-9_]*)(?:=(.*))?$", re.S)
+_BUILTIN_FLAG = re.compile(r"^--?(no)?config\.data\.builtin(=|$)")
+_MODEL_FIELDS = {f.name: f for f in dataclasses.fields(ModelConfig)}
+
+
+@dataclasses.dataclass
+class OpenFlags:
+    """The flags taken out of argv: (section, key, raw value) in command-line order."""
+
+    values: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
+    builtin_given: bool = False  # --config.data.builtin appeared on the command line
+
+
+def split_open_flags(argv: list[str]) -> tuple[list[str], OpenFlags]:
+    """argv without the open-dictionary flags (`--config.data.sources.NAME=V` or `... NAME V`), and those flags."""
+    rest, found = [], OpenFlags()
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        m = _OPEN_FLAG.match(arg)
+        if m and (m.group(1) != "model.overrides" or m.group(2) in _MODEL_FIELDS or m.group(3) is not None):
+            value = m.group(3)
+            if value is None:
+                if i + 1 >= len(argv):
+                    raise ConfigError(f"{arg}: no value given")
+                value, i = argv[i + 1], i + 1
+            found.values.append((m.group(1), m.group(2), value))
+        else:
+            found.builtin_given |= bool(_BUILTIN_FLAG.match(arg))
+            rest.append(arg)
+        i += 1
+    return rest, found
+
+
+def model_field_value(name: str, raw: str):
+    """`raw` as the type of ModelConfig field `name` (int, float, bool, str, None, tuples/dicts as literals)."""
+    field = _MODEL_FIELDS.get(name)
+    if field is None:
+        raise ConfigError(f"--config.model.overrides.{name}: ModelConfig has no field {name!r}")
+    kind = str(field.type)
+    text = raw.strip()
+    try:
+        if "None" in kind and text.lower() in ("none", "null"):
+            return None
+        if kind == "str":
+            return raw
+        if kind == "bool":
+            if text.lower() not in ("true", "false", "1", "0"):
+                raise ValueError("expected true or false")
+            return text.lower() in ("true", "1")
+        if kind.startswith("int") and re.fullmatch(r"[-+]?\d+", text):
+            return int(text)
+        if kind == "float":
+            return float(text)
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError) as e:
+        raise ConfigError(f"--config.model.overrides.{name}={raw}: not a value of type {kind} ({e})") from None
+
+
+def resolve(config: ConfigDict, open_flags: OpenFlags | None = None) -> ConfigDict:
+    """Sets the open-dictionary flags on `config` and settles data.builtin (in place; returns `config`)."""
+    from zaya_jax.train.loop import TrainConfigError
+
+    open_flags = open_flags or OpenFlags()
+    was_builtin = bool(config.data.builtin)
+    given = {section: {} for section in OPEN}
+    for section, key, raw in open_flags.values:
+        if section == "model.overrides":
+            value = model_field_value(key, raw)
+        elif section == "data.weights":
+            try:
+                value = float(raw)
+            except ValueError:
+                raise TrainConfigError(f"--config.data.weights.{key}={raw}: not a number") from None
+        else:
+            value = raw
+        given[section][key] = value
+    for section, values in given.items():
+        if not values:
+            continue
+        parent, name = section.split(".")
+        target = config[parent][name]
+        with target.unlocked():
+            for key, value in values.items():
+                if key in target and isinstance(target[key], ConfigDict):
+                    raise TrainConfigError(f"--config.{section}.{key}: a nested setting; give its fields, e.g. "
+                                           f"--config.{section}.{key}.FIELD=VALUE")
+                if key in target:
+                    del target[key]  # a new type (e.g. an int override where the file had a float) is accepted
+                target[key] = value
+    if config.data.sources and config.data.builtin:
+        if open_flags.builtin_given:
+            raise TrainConfigError("--config.data.builtin=True contradicts data.sources "
+                                   f"({', '.join(sorted(config.data.sources))}): give one or the other")
+        config.data.builtin = False  # named sources replace the built-in corpus
+    if (was_builtin or not config.data.weights) and not config.data.builtin and not given["data.weights"] \
+            and set(config.data.weights) != set(config.data.sources):
+        # the file's weights were the built-in corpus's (or none): the named sources are mixed equally
+        with config.data.unlocked():
+            config.data.weights = ConfigDict({name: 1.0 for name in config.data.sources})
+    if config.data.builtin and (given["data.valid_sources"] or config.data.valid_sources):
+        raise TrainConfigError("data.valid_sources needs data.sources: the built-in corpus has its own held-out "
+                               "split")
+    return config
+
+
+def apply_overrides(config: ConfigDict, overrides: dict) -> ConfigDict:
+    """Sets ml-collections' parsed `--config.a.b=V` values (path -> value) on another config (a recorded one)."""
+    for path, value in overrides.items():
+        *parents, leaf = path.split(".")
+        node = config
+        for p in parents:
+            node = node[p]
+        with node.unlocked():
+            node[leaf] = value
+    return config
+
+
+def command_line_config(flag, open_flags: OpenFlags, workdir: str | None = None) -> ConfigDict:
+    """The run's config from absl's parsed `--config` flag object: the file given with --config (its flags
+    applied), or without --config the config recorded in `workdir` with the command line's overrides on top."""
+    from ml_collections import config_flags
+
+    from zaya_jax.train import run_record
+
+    config = flag.value
+    if not flag.present and workdir and run_record.exists(workdir):
+        config = apply_overrides(run_record.load_config(workdir), config_flags.get_override_values(flag))
+    return resolve(config, open_flags)
