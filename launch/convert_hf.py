@@ -3,6 +3,8 @@
   python -m launch.convert_hf HF_DIR --check               load, print parameter counts and a logits checksum
   python -m launch.convert_hf HF_DIR --roundtrip OUT_DIR   load and export again as a HF directory
   python -m launch.convert_hf --count zaya1_8b             parameter counts of a preset (nothing allocated)
+  python -m launch.convert_hf RUN --export OUT_DIR [--step N]   a training run as a HF directory: config.json,
+      safetensors, the run's tokenizer (tokenizer.json + tokenizer_config.json) and generation_config.json
 """
 
 import argparse
@@ -11,15 +13,21 @@ import sys
 import jax.numpy as jnp
 
 from zaya_jax.checkpoint.errors import ZayaCheckpointError
+from zaya_jax.checkpoint.export import export_run
 from zaya_jax.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, from_hf, stored_dtype, to_hf
 from zaya_jax.checkpoint.hf_check import check_report
+from zaya_jax.checkpoint.manager import CheckpointError
 from zaya_jax.config import PRESETS, preset
 from zaya_jax.param_count import abstract_param_counts, format_param_counts
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("hf_dir", nargs="?", help="HF ZAYA directory (config.json + safetensors)")
+    ap.add_argument("hf_dir", nargs="?", help="HF ZAYA directory (config.json + safetensors); with --export a "
+                    "training run directory")
+    ap.add_argument("--export", metavar="OUT_DIR", help="export the run's checkpoint with its tokenizer to OUT_DIR")
+    ap.add_argument("--step", type=int, default=None, help="--export: checkpoint step (default: latest)")
+    ap.add_argument("--tokenizer", default=None, help="--export: tokenizer (default: the run's, from run.json)")
     ap.add_argument("--check", action="store_true", help="print parameter counts and a logits checksum")
     ap.add_argument("--roundtrip", metavar="OUT_DIR", help="export the loaded model to OUT_DIR")
     ap.add_argument("--count", choices=sorted(PRESETS), help="print the parameter counts of a preset")
@@ -36,6 +44,14 @@ def main(argv=None):
         if not args.count:
             ap.error("give HF_DIR (with --check and/or --roundtrip) or --count PRESET")
         return
+    if args.export:
+        try:
+            out = export_run(args.hf_dir, args.export, step=args.step, tokenizer=args.tokenizer,
+                             dtype=args.save_dtype, max_shard_bytes=args.max_shard_bytes, overwrite=args.overwrite)
+        except (ValueError, ZayaCheckpointError, CheckpointError) as e:
+            sys.exit(f"convert_hf: {e}")
+        print(f"exported to {out}")
+        return out
     if not (args.check or args.roundtrip):
         ap.error("HF_DIR needs --check and/or --roundtrip OUT_DIR")
     try:

@@ -17,7 +17,8 @@ def main(argv=None):
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--tasks", required=True, help="comma-separated lm_eval task names")
     ap.add_argument("--include-path", default=None, help="folder with extra task YAML files")
-    ap.add_argument("--tokenizer", default=None, help="'byte', tokenizer.json or a folder holding one")
+    ap.add_argument("--tokenizer", default=None, help="'byte', tokenizer.json or a folder holding one (default: "
+                    "an HF directory's own, else the run's recorded one)")
     ap.add_argument("--step", type=int, default=None)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-length", type=int, default=2048, help="longest scored/generated sequence")

@@ -18,8 +18,9 @@ from zaya_jax.checkpoint.errors import ZayaCheckpointError
 from zaya_jax.checkpoint.manager import CheckpointError
 from zaya_jax.data.tokenizer import load_tokenizer
 from zaya_jax.inference import Decoder, Sampling
-from zaya_jax.inference.loading import is_hf_directory, load_model
+from zaya_jax.inference.loading import load_model
 from zaya_jax.inference.text import complete
+from zaya_jax.train.run_record import default_tokenizer
 
 
 def main(argv=None):
@@ -27,7 +28,7 @@ def main(argv=None):
     ap.add_argument("--checkpoint", required=True, help="HF directory or Orbax run/checkpoints folder")
     ap.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
     ap.add_argument("--tokenizer", default=None, help="'byte', tokenizer.json or a folder holding one (default: "
-                    "the checkpoint folder for HF directories, else 'byte')")
+                    "the checkpoint folder for HF directories, else the run's recorded tokenizer, DIR/run.json)")
     ap.add_argument("--step", type=int, default=None, help="Orbax checkpoint step (default: latest)")
     ap.add_argument("--dtype", default="float32", help="compute dtype: float32 | bfloat16")
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -42,9 +43,9 @@ def main(argv=None):
     try:
         sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
         model = load_model(args.checkpoint, dtype=args.dtype, step=args.step)
+        tokenizer = load_tokenizer(args.tokenizer or default_tokenizer(args.checkpoint))
     except (ValueError, ZayaCheckpointError, CheckpointError) as e:
         sys.exit(f"generate: {e}")
-    tokenizer = load_tokenizer(args.tokenizer or (args.checkpoint if is_hf_directory(args.checkpoint) else "byte"))
     texts = complete(Decoder(model), tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, sampling=sampling,
                      key=jax.random.key(args.seed), stop_tokens=args.stop_token)
     for prompt, text in zip(args.prompt, texts):

@@ -13,6 +13,8 @@ Each job writes its results to job["out_dir"]:
   and report.json (skip/expert selections per layer, smallest routing margin, file-vs-memory check).
   The in-memory model is the reference: transformers re-initialises the skip bias when it *loads* a checkpoint,
   so a reloaded model would differ whenever the skip bias is not -1.
+- "auto": AutoModelForCausalLM and AutoTokenizer.from_pretrained(model_dir) (an exported run): ids of job["texts"],
+  their logits, the tokenizer's and generation config's eos.
 - "load": ZayaForCausalLM.from_pretrained(model_dir) (a directory we exported) and logits per case ->
   reference.npz ("{case}::logits") and report.json (the balancing biases as loaded).
 - "train": ZayaForCausalLM.from_pretrained(model_dir) (fp32, eager attention), its balancing biases then set to
@@ -220,6 +222,28 @@ def run_load(job: dict, out: Path) -> None:
     (out / "report.json").write_text(json.dumps({"balancing_biases": biases}, indent=1))
 
 
+def run_auto(job: dict, out: Path) -> None:
+    """AutoModelForCausalLM + AutoTokenizer.from_pretrained(model_dir): the texts' ids and their logits."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(job["model_dir"], attn_implementation="eager", dtype=torch.float32)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(job["model_dir"])
+    arrays, ids_of = {}, []
+    with torch.no_grad():
+        for i, text in enumerate(job["texts"]):
+            ids = tokenizer(text)["input_ids"]
+            ids_of.append(ids)
+            arrays[f"{i}::logits"] = model(input_ids=torch.tensor([ids])).logits.numpy()
+    np.savez(out / "reference.npz", **arrays)
+    biases = [layer.mlp.gate.balancing_biases.tolist() for layer in model.model.layers]
+    gen = model.generation_config
+    (out / "report.json").write_text(json.dumps({
+        "balancing_biases": biases, "ids": ids_of, "model_class": type(model).__name__,
+        "eos_token_id": tokenizer.eos_token_id, "generation_eos": gen.eos_token_id,
+        "decoded": [tokenizer.decode(ids) for ids in ids_of]}, indent=1))
+
+
 def _routing_of_step(model, captured, ids) -> tuple[np.ndarray, np.ndarray]:
     """Tokens per router class [L, E+1] and the smallest top-1 vs top-2 biased score gap [L] of the last forward,
     over the positions that predict a label (the last position of each row predicts nothing)."""
@@ -290,7 +314,8 @@ def run_count(job: dict, out: Path) -> None:
 
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
-    runners = {"build": run_build, "load": run_load, "train": run_train, "count": run_count}
+    runners = {"build": run_build, "load": run_load, "train": run_train, "count": run_count,
+               "auto": run_auto}
     for job in spec["jobs"]:
         out = Path(job["out_dir"])
         out.mkdir(parents=True, exist_ok=True)

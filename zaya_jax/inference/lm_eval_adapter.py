@@ -19,7 +19,7 @@ from lm_eval.api.registry import register_model
 
 from zaya_jax.data.tokenizer import Tokenizer, load_tokenizer
 from zaya_jax.inference.decoder import Decoder
-from zaya_jax.inference.loading import is_hf_directory, load_model
+from zaya_jax.inference.loading import load_model
 from zaya_jax.inference.sampling import Sampling
 from zaya_jax.inference.scoring import Scorer
 from zaya_jax.inference.text import complete
@@ -48,9 +48,10 @@ class ZayaLM(LM):
     def from_checkpoint(cls, checkpoint: str, *, tokenizer: str | None = None, dtype: str = "float32",
                         step: int | None = None, **kwargs) -> ZayaLM:
         """tokenizer: 'byte', a tokenizer.json or a folder holding one; default: the checkpoint folder when it is a
-        Hugging Face directory, else 'byte' (the default training run's tokenizer)."""
+        Hugging Face directory, else the one the run recorded (DIR/run.json)."""
         if tokenizer is None:
-            tokenizer = checkpoint if is_hf_directory(checkpoint) else "byte"
+            from zaya_jax.train.run_record import default_tokenizer
+            tokenizer = default_tokenizer(checkpoint)
         return cls(load_model(checkpoint, dtype=dtype, step=step), load_tokenizer(tokenizer), **kwargs)
 
     @classmethod

@@ -43,12 +43,16 @@ class Evaluator:
 
 def evaluate_checkpoint(config, workdir: str, *, step: int | None = None, max_batches: int | None = None,
                         log=print) -> dict[str, float]:
-    """Scores the run's checkpoint (latest, or `step`) on every held-out source; jit-compiled, any mesh."""
+    """Scores the run's checkpoint (latest, or `step`) on every held-out source; jit-compiled, any mesh.
+    `config` None: the one recorded in the run directory (run_record.py)."""
     import os
 
     from zaya_jax.checkpoint.manager import abstract_like
+    from zaya_jax.train import run_record
     from zaya_jax.train.loop import checkpoint_manager, setup
 
+    if config is None:
+        config = run_record.load_config(workdir)
     s = setup(config, log=log)
     ckpt = checkpoint_manager(config, workdir)
     restored = ckpt.restore(abstract_like(s.state), step=step, expect_meta=s.meta)

@@ -191,6 +191,9 @@ def optimizer_config(config: ConfigDict) -> OptimizerConfig:
     elif total < steps:
         raise TrainConfigError(f"train.steps={steps} runs past optim.total_steps={total} (learning rate 0 after it): "
                                f"set --config.optim.total_steps={steps}, or 0 to follow train.steps")
+    if o.get("schedule", "wsd") != "constant" and int(o.get("warmup_steps", 0)) > o["total_steps"]:
+        raise TrainConfigError(f"optim.warmup_steps={o['warmup_steps']} is longer than the schedule "
+                               f"({o['total_steps']} steps): lower --config.optim.warmup_steps")
     return OptimizerConfig(**o)
 
 
