@@ -182,7 +182,8 @@ def test_lifecycle_prepare_train_resume_evaluate_generate_export_transformers(tm
     rows = {m["step"]: m for m in metrics(run) if "loss" in m}
     assert sorted(rows) == [1, 2, 3, 4] and rows[3]["lr_adamw"] > 0.0  # the schedule follows the 4 steps
 
-    evaluated = json.loads(command("launch.evaluate", "--workdir", run, "--max_batches", 2))
+    printed = command("launch.evaluate", "--workdir", run, "--max_batches", 2)
+    evaluated = json.loads(printed[printed.rindex("{\n"):])  # its JSON after the model description
     assert evaluated["step"] == 4 and np.isfinite(evaluated["eval_loss_web"])
 
     texts = generate.main(["--checkpoint", str(run), "--prompt", "def ", "--max-new-tokens", "4"])
