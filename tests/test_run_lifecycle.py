@@ -27,8 +27,7 @@ from zaya_jax.data.tokenizer import ByteTokenizer, load_tokenizer
 from zaya_jax.inference.loading import load_model
 from zaya_jax.model.base import BalancingBias
 from zaya_jax.optim.optimizer import make_schedule
-from zaya_jax.train import run_record
-from zaya_jax.train.loop import TrainConfigError, make_plan, optimizer_config, setup
+from zaya_jax.train.loop import TrainConfigError, make_plan, run, setup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -50,8 +49,9 @@ def small_config():
 # ---- item 2: the run directory records what it is ---------------------------------------------------------------
 
 def test_run_record_written_at_first_start_and_checked_on_resume(tmp_path):
-    tok_dir = tmp_path / "tok"
     from zaya_jax.checkpoint.export import write_tokenizer
+    from zaya_jax.train import run_record
+    tok_dir = tmp_path / "tok"
     write_tokenizer("byte", tok_dir, model_max_length=64)  # any tokenizer.json will do
     c = small_config()
     c.data.tokenizer = str(tok_dir / "tokenizer.json")
@@ -82,40 +82,41 @@ def test_run_record_written_at_first_start_and_checked_on_resume(tmp_path):
 # ---- item 3: the schedule follows the run -------------------------------------------------------------------------
 
 def test_raising_steps_moves_the_schedule():
-    c = get_config()  # as shipped: 200 steps
+    c = small_config()
     c.train.steps = 400  # what the trainer suggests on a finished run
-    o = optimizer_config(c)
+    o = setup(c, log=QUIET).optimizer
     assert o.total_steps == 400 and float(make_schedule(o)(300)) > 0.0
     c.optim.total_steps = 200  # an explicit shorter schedule is refused, not trained at learning rate 0
     with pytest.raises(TrainConfigError, match=r"train.steps=400 runs past optim.total_steps=200"):
-        optimizer_config(c)
+        setup(c, log=QUIET)
 
 
 # ---- item 4: fine-tuning from a Hugging Face directory ------------------------------------------------------------
 
 def test_init_from_hugging_face_directory(tmp_path):
-    from zaya_jax.train.init_from import initialize_from
     c = small_config()
-    s = setup(c, log=QUIET)
-    cfg = s.plan.model
+    c.train.update(dict(steps=1, checkpoint_every=1))
+    c.optim.learning_rate = 0.0  # so the run's one checkpoint holds the weights it started from
+    cfg = make_plan(c).model
     hf_dir = zaya_jax.to_hf(random_model(cfg, seed=4), tmp_path / "hf")
-    state = initialize_from(str(hf_dir), s.state, cfg, log=QUIET)
-    want = zaya_jax.from_hf(hf_dir)
-    _, params, biases = nnx.split(want, nnx.Param, BalancingBias)
-    for got, ref in ((state["params"], params), (state["model_state"], biases)):
-        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(nnx.to_pure_dict(ref))):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    c.train.init_from = str(hf_dir)
+    run(c, str(tmp_path / "tuned"), log=QUIET)
+    tuned = nnx.state(load_model(tmp_path / "tuned"), nnx.Param)
+    want = nnx.state(zaya_jax.from_hf(hf_dir), nnx.Param)
+    for a, b in zip(jax.tree.leaves(tuned), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
-    other = zaya_jax.to_hf(random_model(make_plan(c).model.replace(hidden_size=32, head_dim=8), seed=1),
-                           tmp_path / "other")
+    other = zaya_jax.to_hf(random_model(cfg.replace(hidden_size=32, head_dim=8), seed=1), tmp_path / "other")
+    c.train.init_from = str(other)
     with pytest.raises(TrainConfigError, match=r"init_from=.*other: its config.json does not match this run's "
-                                               r"model: head_dim 8 \(run: 16\), hidden_size 32 \(run: 64\)"):
-        initialize_from(str(other), s.state, cfg, log=QUIET)
+                                               r"model: head_dim 8 \(run: 16\), hidden_size 32 \(run: 64\)$"):
+        run(c, str(tmp_path / "mismatch"), log=QUIET)
 
 
 # ---- item 5: export a run from the command line -------------------------------------------------------------------
 
 def test_export_run_with_its_tokenizer(tmp_path):
+    from zaya_jax.train import run_record
     cfg = make_plan(small_config()).model
     model = random_model(cfg, seed=2)
     run = tmp_path / "run"
@@ -173,6 +174,7 @@ def test_lifecycle_prepare_train_resume_evaluate_generate_export_transformers(tm
             "--config.train.global_batch_tokens=128", "--config.train.microbatch_tokens=128",
             "--config.train.log_every=1", "--config.train.eval_every=2", "--config.train.eval_batches=2",
             "--config.train.checkpoint_every=2", "--config.optim.warmup_steps=1", "--config.mesh.num_devices=1")
+    from zaya_jax.train import run_record
     record = run_record.read(str(run))["config"]
     assert record["data"]["builtin"] is False and record["data"]["sources"] == {"web": str(prefix)}
     assert any("eval_loss_web" in m for m in metrics(run))  # the named held-out source, not the built-in one
