@@ -20,9 +20,12 @@ flags.DEFINE_integer("max_batches", None, "eval batches per source (default: all
 
 def main(argv, open_flags=None):
     logging.set_verbosity(logging.WARNING)
+    from zaya_jax.train import run_record
     from zaya_jax.train.cli_config import OpenFlags, command_line_config
     from zaya_jax.train.evaluate import evaluate_checkpoint
     F = flags.FLAGS
+    if not F["config"].present:  # never the default config's built-in corpus for a run that did not record one
+        run_record.load_config(F.workdir)  # raises: DIR has no run.json; pass --config
     config = command_line_config(F["config"], open_flags or OpenFlags(), F.workdir)
     out = evaluate_checkpoint(config, F.workdir, step=F.step, max_batches=F.max_batches)
     print(json.dumps(out, indent=1))

@@ -8,7 +8,7 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from zaya_jax.config import ConfigError
+from zaya_jax.config import ConfigError, RopeConfig
 from zaya_jax.train.cli_config import command_line_config, split_open_flags
 from zaya_jax.train.loop import TrainConfigError, make_plan
 
@@ -46,6 +46,11 @@ def test_weights_and_model_fields_by_name():
     assert plan.model.vocab_size == 1024 and plan.model.tie_word_embeddings is False
     assert plan.model.rms_norm_eps == 1e-6 and plan.model.eos_token_id is None and plan.model.dtype == "bfloat16"
     assert plan.model.remat == "none"  # the file's own override kept
+    rope = parse("--config.model.overrides.rope.hybrid.theta=1e6", "--config.model.overrides.rope.hybrid"
+                 ".partial_rotary_factor=0.25")
+    assert make_plan(rope).model.rope["hybrid"] == RopeConfig(1e6, 0.25)
+    base = parse("--config.model.overrides.rope={'hybrid': {'theta': 5e5}}", config="zaya1_base")
+    assert make_plan(base).model.rope["hybrid"].theta == 5e5
 
 
 def test_contradictions_and_typos_are_one_line():

@@ -20,7 +20,7 @@ from zaya_jax.config import ConfigError, ModelConfig
 
 OPEN = ("data.sources", "data.valid_sources", "data.weights", "model.overrides")
 _OPEN_FLAG = re.compile(r"^--?config\.(data\.sources|data\.valid_sources|data\.weights|model\.overrides)"
-                        r"\.([A-Za-z_][A-Za-z0-9_]*)(?:=(.*))?$", re.S)
+                        r"\.([A-Za-z_][A-Za-z0-9_.]*)(?:=(.*))?$", re.S)
 _BUILTIN_FLAG = re.compile(r"^--?(no)?config\.data\.builtin(=|$)")
 _MODEL_FIELDS = {f.name: f for f in dataclasses.fields(ModelConfig)}
 
@@ -40,7 +40,11 @@ def split_open_flags(argv: list[str]) -> tuple[list[str], OpenFlags]:
     while i < len(argv):
         arg = argv[i]
         m = _OPEN_FLAG.match(arg)
-        if m and (m.group(1) != "model.overrides" or m.group(2) in _MODEL_FIELDS or m.group(3) is not None):
+        nested = m and "." in m.group(2)
+        if nested and m.group(1) != "model.overrides":
+            m = None  # a source name has no dots
+        if m and (m.group(1) != "model.overrides" or m.group(2).split(".")[0] in _MODEL_FIELDS
+                  or (m.group(3) is not None and not nested)):
             value = m.group(3)
             if value is None:
                 if i + 1 >= len(argv):
@@ -55,7 +59,13 @@ def split_open_flags(argv: list[str]) -> tuple[list[str], OpenFlags]:
 
 
 def model_field_value(name: str, raw: str):
-    """`raw` as the type of ModelConfig field `name` (int, float, bool, str, None, tuples/dicts as literals)."""
+    """`raw` as the type of ModelConfig field `name` (int, float, bool, str, None, tuples/dicts as literals);
+    `rope.TYPE.theta` / `rope.TYPE.partial_rotary_factor` as floats."""
+    if name.startswith("rope.") and name.count(".") == 2 and name.endswith((".theta", ".partial_rotary_factor")):
+        try:
+            return float(raw)
+        except ValueError:
+            raise ConfigError(f"--config.model.overrides.{name}={raw}: not a number") from None
     field = _MODEL_FIELDS.get(name)
     if field is None:
         raise ConfigError(f"--config.model.overrides.{name}: ModelConfig has no field {name!r}")
@@ -101,15 +111,18 @@ def resolve(config: ConfigDict, open_flags: OpenFlags | None = None) -> ConfigDi
         if not values:
             continue
         parent, name = section.split(".")
-        target = config[parent][name]
-        with target.unlocked():
-            for key, value in values.items():
-                if key in target and isinstance(target[key], ConfigDict):
-                    raise TrainConfigError(f"--config.{section}.{key}: a nested setting; give its fields, e.g. "
-                                           f"--config.{section}.{key}.FIELD=VALUE")
-                if key in target:
-                    del target[key]  # a new type (e.g. an int override where the file had a float) is accepted
-                target[key] = value
+        for key, value in values.items():
+            *path, leaf = key.split(".")  # rope.hybrid.theta: the parents are created as needed
+            node = config[parent][name]
+            for p in path:
+                if p not in node:
+                    with node.unlocked():
+                        node[p] = ConfigDict()
+                node = node[p]
+            with node.unlocked():
+                if leaf in node:
+                    del node[leaf]  # a new type (an int where the file had a float, a whole dict) is accepted
+                node[leaf] = value
     if config.data.sources and config.data.builtin:
         if open_flags.builtin_given:
             raise TrainConfigError("--config.data.builtin=True contradicts data.sources "
