@@ -115,9 +115,15 @@ def test_init_from_hugging_face_directory(tmp_path):
 
 # ---- item 5: export a run from the command line -------------------------------------------------------------------
 
-def test_export_run_with_its_tokenizer(tmp_path):
+@pytest.mark.parametrize("tokenizer", ["byte", "tokenizer.json"])
+def test_export_run_with_its_tokenizer(tmp_path, tokenizer):
+    from zaya_jax.checkpoint.export import write_tokenizer
     from zaya_jax.train import run_record
-    cfg = make_plan(small_config()).model
+    c = small_config()
+    if tokenizer != "byte":  # a run trained with a tokenizer.json (here the byte tokenizer's equivalent file)
+        write_tokenizer("byte", tmp_path / "tok", model_max_length=64)
+        c.data.tokenizer = str(tmp_path / "tok" / "tokenizer.json")
+    cfg = make_plan(c).model
     model = random_model(cfg, seed=2)
     run = tmp_path / "run"
     _, params, model_state = nnx.split(model, nnx.Param, BalancingBias)
@@ -125,7 +131,9 @@ def test_export_run_with_its_tokenizer(tmp_path):
     mngr.save(5, {"step": jnp.int32(5), "params": nnx.to_pure_dict(params),
                   "model_state": nnx.to_pure_dict(model_state)}, data={}, meta={"model": cfg.to_hf_dict()}, force=True)
     mngr.close()
-    run_record.ensure(small_config(), str(run), resuming=False, log=QUIET)  # byte tokenizer
+    run_record.ensure(c, str(run), resuming=False, log=QUIET)
+    if tokenizer != "byte":
+        os.remove(c.data.tokenizer)  # the export reads the run's own copy
 
     out = convert_hf.main([str(run), "--export", str(tmp_path / "hf")])
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
@@ -190,6 +198,8 @@ def test_lifecycle_prepare_train_resume_evaluate_generate_export_transformers(tm
 
     texts = generate.main(["--checkpoint", str(run), "--prompt", "def ", "--max-new-tokens", "4"])
     assert len(texts) == 1  # the run's byte tokenizer, from its record
+    from zaya_jax.inference.lm_eval_adapter import ZayaLM
+    assert ZayaLM.from_checkpoint(str(run)).tokenizer.fingerprint == "byte-v1"  # launch.evaluate_lm's default
 
     out = convert_hf.main([str(run), "--export", str(tmp_path / "hf")])
     if not REF_PYTHON.exists():
