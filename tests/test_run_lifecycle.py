@@ -62,7 +62,8 @@ def test_run_record_written_at_first_start_and_checked_on_resume(tmp_path):
     assert (run / "tokenizer" / "tokenizer.json").read_bytes() == (tok_dir / "tokenizer.json").read_bytes()
     # the recorded config is what evaluate / a flag-less resume start from; the tokenizer is the run's copy
     loaded = run_record.load_config(str(run))
-    assert loaded.data.tokenizer == str(run / "tokenizer" / "tokenizer.json") and loaded.model.overrides.hidden_size == 64
+    assert loaded.data.tokenizer == str(run / "tokenizer" / "tokenizer.json")
+    assert loaded.model.overrides.hidden_size == 64
     assert run_record.default_tokenizer(str(run / "checkpoints")) == str(run / "tokenizer" / "tokenizer.json")
 
     said = []

@@ -15,12 +15,13 @@ from zaya_jax.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 # names of the byte tokenizer's special ids in its tokenizer.json (a text holding them verbatim encodes to the
 # special id there, to its bytes in ByteTokenizer)
-BYTE_SPECIALS = {ByteTokenizer.PAD: "<|pad|>", ByteTokenizer.EOS: "<|endoftext|>", ByteTokenizer.BOS: "<|begin_of_text|>"}
+BYTE_SPECIALS = {ByteTokenizer.PAD: "<|pad|>", ByteTokenizer.EOS: "<|endoftext|>",
+                 ByteTokenizer.BOS: "<|begin_of_text|>"}
 
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table, the alphabet of the ByteLevel pre-tokenizer and decoder."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -81,8 +82,8 @@ def export_run(run, out, *, step: int | None = None, tokenizer: str | None = Non
 
     spec = tokenizer or default_tokenizer(run)
     model = load_model(run, step=step)
-    out = to_hf(model, out, dtype=dtype and jnp.dtype(dtype), max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES,
-                overwrite=overwrite)
+    out = to_hf(model, out, dtype=dtype and jnp.dtype(dtype),
+                max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES, overwrite=overwrite)
     tok = write_tokenizer(spec, out, model_max_length=model.cfg.max_position_embeddings)
     cfg = model.cfg
     generation = {"bos_token_id": tok.bos_id if tok.bos_id is not None else cfg.bos_token_id,

@@ -35,8 +35,8 @@ from zaya_jax.parallel.mesh import describe_mesh, make_mesh
 from zaya_jax.parallel.sharding import (combine_threshold_options, describe_optimizer_memory, state_shardings, zero1,
                                          zero1_spec_fn, zero_axes)
 from zaya_jax.parallel.zigzag import Zigzag
-from zaya_jax.train.evaluate import Evaluator
 from zaya_jax.train import run_record
+from zaya_jax.train.evaluate import Evaluator
 from zaya_jax.train.flops import flops_per_token
 from zaya_jax.train.init_from import initialize_from
 from zaya_jax.train.metrics import MetricsWriter, Throughput
