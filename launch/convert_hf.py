@@ -16,9 +16,12 @@ from zaya_jax.checkpoint.hf_check import check_report
 from zaya_jax.config import PRESETS, preset
 from zaya_jax.param_count import abstract_param_counts, format_param_counts
 
+from launch._cli import ArgumentParser, user_errors
 
+
+@user_errors("launch.convert_hf")
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("hf_dir", nargs="?", help="HF ZAYA directory (config.json + safetensors)")
     ap.add_argument("--check", action="store_true", help="print parameter counts and a logits checksum")
     ap.add_argument("--roundtrip", metavar="OUT_DIR", help="export the loaded model to OUT_DIR")

@@ -4,13 +4,15 @@ Scores a training checkpoint (loss and perplexity per held-out source) with the 
 
 import json
 import os
-import sys
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
+from launch._cli import flag_errors, run_absl
+
 _DEFAULT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "default.py")
-config_flags.DEFINE_config_file("config", _DEFAULT, "the run's ml-collections config file", lock_config=True)
+with flag_errors("launch.evaluate"):  # ml_collections applies --config.x overrides here
+    config_flags.DEFINE_config_file("config", _DEFAULT, "the run's ml-collections config file", lock_config=True)
 flags.DEFINE_string("workdir", "runs/default", "run directory holding checkpoints/")
 flags.DEFINE_integer("step", None, "checkpoint step (default: latest)")
 flags.DEFINE_integer("max_batches", None, "eval batches per source (default: all)")
@@ -25,4 +27,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main, argv=sys.argv)
+    run_absl("launch.evaluate", main)

@@ -13,9 +13,12 @@ from zaya_jax.data import DataError, builtin_corpus, iter_documents, load_tokeni
 from zaya_jax.data.indexed import bin_path, idx_path
 from zaya_jax.data.prepare import FORMATS, check_not_inputs
 
+from launch._cli import ArgumentParser, user_errors
 
+
+@user_errors("launch.prepare_data")
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("inputs", nargs="*", help="text / .jsonl / .parquet files (.gz allowed for text and JSONL)")
     ap.add_argument("--output-prefix", help="writes OUTPUT_PREFIX.bin and OUTPUT_PREFIX.idx")
     ap.add_argument("--tokenizer", default="byte", help="'byte', a tokenizer.json, or a folder holding one")

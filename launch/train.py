@@ -5,13 +5,15 @@ DIR/metrics.jsonl and DIR/tensorboard; checkpoints to DIR/checkpoints.
 """
 
 import os
-import sys
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
+from launch._cli import flag_errors, run_absl
+
 _DEFAULT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "default.py")
-config_flags.DEFINE_config_file("config", _DEFAULT, "ml-collections config file", lock_config=True)
+with flag_errors("launch.train"):  # ml_collections applies --config.x overrides here
+    config_flags.DEFINE_config_file("config", _DEFAULT, "ml-collections config file", lock_config=True)
 flags.DEFINE_string("workdir", "runs/default", "run directory (metrics, checkpoints)")
 
 
@@ -23,4 +25,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main, argv=sys.argv)
+    run_absl("launch.train", main)

@@ -28,6 +28,7 @@ import os
 import shutil
 import statistics
 import subprocess
+import sys
 import time
 
 from zaya_jax.fault.control import (
@@ -103,6 +104,9 @@ class Supervisor:
             return []
         return sorted(int(n) for n in os.listdir(d) if n.isdigit())
 
+    def _say(self, line: str):
+        print(f"supervisor: {line} (events: {self.events_path})", file=sys.stderr, flush=True)
+
     # ---- actions --------------------------------------------------------------------------------------------------
     def rewind(self, bad_step: int, reason: str):
         """Move checkpoints at/after bad_step aside and mark the bad data to be skipped."""
@@ -158,6 +162,8 @@ class Supervisor:
             signature = (verdict["kind"], step)
             if signature == last_failure and verdict["kind"] in ("crash", "nonfinite"):
                 self.event("unknown_failure", **verdict)
+                self._say(f"stopping: the same failure twice without progress ({_describe(verdict)}); it needs a "
+                          "human")
                 return 2
             last_failure = signature
             progressed = verdict.pop("progressed", False)
@@ -165,6 +171,7 @@ class Supervisor:
                 restarts, backoff = 0, cfg.backoff_s
             if restarts >= cfg.max_restarts:
                 self.event("gave_up", restarts=restarts, **verdict)
+                self._say(f"gave up after {restarts} restarts without progress; last failure: {_describe(verdict)}")
                 return 1
             if verdict["kind"] in ("nonfinite", "spike"):
                 self.rewind(verdict["bad_step"], verdict["kind"])
@@ -237,3 +244,10 @@ class Supervisor:
         mad = statistics.median(abs(x - med) for x in history) or 1e-6
         return (loss - med) / (1.4826 * mad) > self.cfg.spike_z
 
+
+def _describe(verdict: dict) -> str:
+    """One failure verdict of _watch in words, e.g. 'crash (exit 1) before the first step'."""
+    kind, step = verdict["kind"], verdict.get("step")
+    how = f" ({verdict['how']})" if verdict.get("how") else ""
+    where = f" at step {step}" if step is not None else " before the first step"
+    return f"{kind}{how}{where}"

@@ -67,7 +67,27 @@ class Plan:
         return self.ramp[step] if step < len(self.ramp) else self.accumulation
 
 
+def validate(config: ConfigDict) -> None:
+    """Refuses values that cannot work, before any model is built or compiled."""
+    t, o = config.train, config.optim
+    positive = {"data.seq_len": config.data.seq_len, "train.steps": t.steps, "train.log_every": t.log_every,
+                "train.checkpoint_every": t.checkpoint_every, "train.global_batch_tokens": t.global_batch_tokens,
+                "train.microbatch_tokens": t.microbatch_tokens}
+    for name, v in positive.items():
+        if not isinstance(v, (int, np.integer)) or v < 1:
+            raise TrainConfigError(f"{name}={v!r} must be a positive whole number")
+    if t.get("eval_every") is not None and t.eval_every < 0:
+        raise TrainConfigError(f"train.eval_every={t.eval_every} must be >= 0 (0: no evaluation)")
+    for name, what in (("eval_batches", "every held-out batch"), ("keep_checkpoints", "keep all")):
+        if t.get(name) is not None and t[name] < 1:
+            raise TrainConfigError(f"train.{name}={t[name]} must be >= 1 (or None: {what})")
+    lr = o.get("learning_rate")
+    if not isinstance(lr, (int, float)) or not 0 <= lr < math.inf:
+        raise TrainConfigError(f"optim.learning_rate={lr!r} must be a finite number >= 0")
+
+
 def make_plan(config: ConfigDict) -> Plan:
+    validate(config)
     cfg = preset(config.model.preset, **dict(config.model.get("overrides", {})))
     t, seq = config.train, config.data.seq_len
     for name in ("global_batch_tokens", "microbatch_tokens"):
