@@ -40,6 +40,7 @@ from zaya_jax.fault.control import (
     write_json_atomic,
 )
 from zaya_jax.fault.group import GroupSpec, ProcessGroup
+from zaya_jax.train.metrics import drop_rows_after
 
 EXIT_NONFINITE = 65  # zaya_jax.train.loop.EXIT_NONFINITE (not imported: the supervisor must not load jax)
 
@@ -82,16 +83,21 @@ class Supervisor:
         return row
 
     def _losses(self, offset: int) -> tuple[list[tuple[int, float]], int]:
-        """(step, loss) rows appended to metrics.jsonl since byte `offset`, and the new offset."""
+        """(step, loss) rows appended to metrics.jsonl since byte `offset`, and the new offset (at most the file's
+        size: a trainer that fell back past an unreadable checkpoint drops more rows itself)."""
         rows = []
         try:
-            with open(self.metrics_path) as f:
+            with open(self.metrics_path, "rb") as f:
+                offset = min(offset, os.fstat(f.fileno()).st_size)
                 f.seek(offset)
                 for line in f:
-                    if not line.endswith("\n"):
+                    if not line.endswith(b"\n"):
                         break
                     offset += len(line)
-                    r = json.loads(line)
+                    try:
+                        r = json.loads(line)
+                    except ValueError:
+                        continue
                     if "loss" in r:
                         rows.append((r["step"], r["loss"]))
         except FileNotFoundError:
@@ -103,6 +109,17 @@ class Supervisor:
         if not os.path.isdir(d):
             return []
         return sorted(int(n) for n in os.listdir(d) if n.isdigit())
+
+    def _restart_offset(self, history: list) -> int:
+        """Before a (re)start: rows logged past the latest checkpoint go (the trainer resumes there, logs those
+        steps again and would drop them itself); returns the offset where reading goes on."""
+        resume = max(self._checkpoint_steps(), default=0)
+        drop_rows_after(self.metrics_path, resume)
+        history[:] = [(st, x) for st, x in history if st <= resume]
+        try:
+            return os.path.getsize(self.metrics_path)
+        except FileNotFoundError:
+            return 0
 
     def _say(self, line: str):
         print(f"supervisor: {line} (events: {self.events_path})", file=sys.stderr, flush=True)
@@ -144,17 +161,17 @@ class Supervisor:
         cfg = self.cfg
         restarts, backoff = 0, cfg.backoff_s
         last_failure = None
-        offset = 0
         history: list[tuple[int, float]] = []  # (step, loss) of recent good steps, for the spike statistics
         while True:
             env, nproc = self._devices_env()
             hb_path = os.path.join(cfg.workdir, HEARTBEAT)
             start_beat = read_json(hb_path, {}) or {}
+            offset = self._restart_offset(history)
             group = ProcessGroup(cfg.command, cfg.group, env, nproc)
             self.event("start", pid=group.pids[0], pids=group.pids, nproc=nproc, command=cfg.command,
                        devices=env.get("ZAYA_NUM_DEVICES"), from_step=start_beat.get("step"))
             verdict = self._watch(group, hb_path, start_beat, offset, history)
-            offset = verdict.pop("offset")
+            verdict.pop("offset")
             if verdict["kind"] == "done":
                 self.event("done", step=verdict.get("step"))
                 return 0
