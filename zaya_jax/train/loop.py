@@ -298,6 +298,7 @@ def _run(config: ConfigDict, workdir: str, *, log, closers: list) -> dict:
     tokens_per_micro = plan.micro_rows * plan.seq_len  # throughput counts tokens, so a ramp is measured right
     meter, last = Throughput(), {}
     progress = _progress(start, plan.steps, lead)
+    closers.append(getattr(progress, "close", lambda: None))  # a bar left open redraws after the error
     sums, step_count = {}, 0
     faults = FaultInjector(config.train.get("fault", ""), workdir)
     stop = GracefulStop()
@@ -417,4 +418,5 @@ def _progress(start: int, total: int, enabled: bool):
         if done == total:
             bar.close()
 
+    update.close = bar.close
     return update
