@@ -8,15 +8,20 @@ import os
 import time
 
 
+ATTEMPTS = "metrics.attempts.jsonl"  # every row of every attempt in the order logged (fault drills compare attempts)
+
+
 class MetricsWriter:
     """resume_step: the step the run restored (0: a fresh start). Rows logged past it by an earlier attempt are
-    dropped from metrics.jsonl and purged from TensorBoard's view, so every step appears once."""
+    dropped from metrics.jsonl and purged from TensorBoard's view, so every step appears once there; ATTEMPTS
+    keeps them."""
 
     def __init__(self, workdir: str, *, enabled: bool = True, resume_step: int | None = None):
         self.enabled = enabled
         path = os.path.join(workdir, "metrics.jsonl")
         self.dropped = drop_rows_after(path, resume_step) if enabled and resume_step is not None else 0
         self._jsonl = open(path, "a") if enabled else None
+        self._attempts = open(os.path.join(workdir, ATTEMPTS), "a") if enabled else None
         self._tb = None
         if enabled:
             try:
@@ -30,8 +35,9 @@ class MetricsWriter:
         if not self.enabled:
             return
         row = {"step": int(step), **{k: float(v) for k, v in metrics.items()}}
-        self._jsonl.write(json.dumps(row) + "\n")
-        self._jsonl.flush()
+        for f in (self._jsonl, self._attempts):
+            f.write(json.dumps(row) + "\n")
+            f.flush()
         if self._tb is not None:
             for k, v in row.items():
                 if k != "step":
@@ -41,7 +47,8 @@ class MetricsWriter:
         """Idempotent; ends TensorBoard's writer thread (left running, it fails at interpreter exit)."""
         if self._jsonl:
             self._jsonl.close()
-            self._jsonl = None
+            self._attempts.close()
+            self._jsonl = self._attempts = None
         if self._tb is not None:
             self._tb.close()
             self._tb = None
