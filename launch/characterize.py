@@ -19,6 +19,8 @@ import ast
 import os
 import sys
 
+from launch._cli import ArgumentParser, user_errors
+
 
 def _keep_kernels_attributable():
     """XLA's GPU command buffers replay fused kernels as graphs, which can hide which HLO op a kernel belongs to in
@@ -29,8 +31,8 @@ def _keep_kernels_attributable():
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m launch.characterize", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(prog="python -m launch.characterize", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     def add(name, help_):
@@ -111,6 +113,7 @@ def _breakdown_config(args, quick: bool = False):
                            steps=args.steps, devices=args.devices)
 
 
+@user_errors("launch.characterize")
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.cmd in ("breakdown", "all"):

@@ -20,9 +20,12 @@ from zaya_jax.checkpoint.manager import CheckpointError
 from zaya_jax.config import PRESETS, preset
 from zaya_jax.param_count import abstract_param_counts, format_param_counts
 
+from launch._cli import ArgumentParser, user_errors
 
+
+@user_errors("launch.convert_hf")
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("hf_dir", nargs="?", help="HF ZAYA directory (config.json + safetensors); with --export a "
                     "training run directory")
     ap.add_argument("--export", metavar="OUT_DIR", help="export the run's checkpoint with its tokenizer to OUT_DIR")

@@ -8,11 +8,14 @@ import json
 import os
 import sys
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
+from launch._cli import flag_errors, run_absl
+
 _DEFAULT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "default.py")
-config_flags.DEFINE_config_file("config", _DEFAULT, "the run's ml-collections config file", lock_config=True)
+with flag_errors("launch.evaluate"):  # ml_collections applies --config.x overrides here
+    config_flags.DEFINE_config_file("config", _DEFAULT, "the run's ml-collections config file", lock_config=True)
 flags.DEFINE_string("workdir", "runs/default", "run directory holding checkpoints/")
 flags.DEFINE_integer("step", None, "checkpoint step (default: latest)")
 flags.DEFINE_integer("max_batches", None, "eval batches per source (default: all)")
@@ -33,5 +36,6 @@ def main(argv, open_flags=None):
 
 if __name__ == "__main__":
     from zaya_jax.train.cli_config import split_open_flags
-    sys.argv[:], _open = split_open_flags(sys.argv)  # ml-collections reads sys.argv for its own overrides
-    app.run(functools.partial(main, open_flags=_open), argv=sys.argv)
+    with flag_errors("launch.evaluate"):
+        sys.argv[:], _open = split_open_flags(sys.argv)  # ml-collections reads sys.argv for its own overrides
+    run_absl("launch.evaluate", functools.partial(main, open_flags=_open))

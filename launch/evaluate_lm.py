@@ -11,9 +11,12 @@ import argparse
 import json
 import sys
 
+from launch._cli import ArgumentParser, user_errors
 
+
+@user_errors("launch.evaluate_lm")
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--tasks", required=True, help="comma-separated lm_eval task names")
     ap.add_argument("--include-path", default=None, help="folder with extra task YAML files")

@@ -10,21 +10,21 @@ or after --max-new-tokens.
 """
 
 import argparse
-import sys
 
 import jax
 
-from zaya_jax.checkpoint.errors import ZayaCheckpointError
-from zaya_jax.checkpoint.manager import CheckpointError
 from zaya_jax.data.tokenizer import load_tokenizer
 from zaya_jax.inference import Decoder, Sampling
 from zaya_jax.inference.loading import load_model
 from zaya_jax.inference.text import complete
 from zaya_jax.train.run_record import default_tokenizer
 
+from launch._cli import ArgumentParser, UsageError, user_errors
 
+
+@user_errors("launch.generate")
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", required=True, help="HF directory or Orbax run/checkpoints folder")
     ap.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
     ap.add_argument("--tokenizer", default=None, help="'byte', tokenizer.json or a folder holding one (default: "
@@ -43,9 +43,9 @@ def main(argv=None):
     try:
         sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
         model = load_model(args.checkpoint, dtype=args.dtype, step=args.step)
-        tokenizer = load_tokenizer(args.tokenizer or default_tokenizer(args.checkpoint))
-    except (ValueError, ZayaCheckpointError, CheckpointError) as e:
-        sys.exit(f"generate: {e}")
+    except ValueError as e:  # sampling values, --step of an HF directory (user_errors reports checkpoint errors)
+        raise UsageError(str(e)) from e
+    tokenizer = load_tokenizer(args.tokenizer or default_tokenizer(args.checkpoint))
     texts = complete(Decoder(model), tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, sampling=sampling,
                      key=jax.random.key(args.seed), stop_tokens=args.stop_token)
     for prompt, text in zip(args.prompt, texts):

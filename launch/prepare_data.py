@@ -10,11 +10,15 @@ import argparse
 import sys
 
 from zaya_jax.data import DataError, builtin_corpus, iter_documents, load_tokenizer, tokenize_to_indexed
-from zaya_jax.data.prepare import FORMATS
+from zaya_jax.data.indexed import bin_path, idx_path
+from zaya_jax.data.prepare import FORMATS, check_not_inputs
+
+from launch._cli import ArgumentParser, user_errors
 
 
+@user_errors("launch.prepare_data")
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("inputs", nargs="*", help="text / .jsonl / .parquet files (.gz allowed for text and JSONL)")
     ap.add_argument("--output-prefix", help="writes OUTPUT_PREFIX.bin and OUTPUT_PREFIX.idx")
     ap.add_argument("--tokenizer", default="byte", help="'byte', a tokenizer.json, or a folder holding one")
@@ -40,12 +44,18 @@ def main(argv=None):
         if not args.inputs or not args.output_prefix:
             ap.error("give INPUT files and --output-prefix (or --builtin)")
         valid = f"{args.output_prefix}_valid" if args.holdout_every > 0 else None
-        documents = iter_documents(args.inputs, args.format, text_key=args.text_key, split_lines=args.split_lines)
+        check_not_inputs(args.inputs, [f(p) for p in filter(None, (args.output_prefix, valid))
+                                       for f in (bin_path, idx_path)])
+        replaced = {}
+        documents = iter_documents(args.inputs, args.format, text_key=args.text_key, split_lines=args.split_lines,
+                                   replaced=replaced)
         stats = tokenize_to_indexed(documents, tokenizer, args.output_prefix, dtype=args.dtype,
                                     append_eos=not args.no_eos, valid_prefix=valid, holdout_every=args.holdout_every)
     except DataError as e:
         print(f"prepare_data: {e}", file=sys.stderr)
         return 1
+    for path, n in replaced.items():
+        print(f"prepare_data: {path}: replaced {n} bytes of invalid UTF-8 with U+FFFD", file=sys.stderr)
     rate = stats.tokens / max(stats.seconds, 1e-9)
     print(f"{args.output_prefix}: {stats.documents} documents, {stats.tokens} tokens ({rate:,.0f} tokens/s)")
     if valid:

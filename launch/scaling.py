@@ -32,6 +32,8 @@ from zaya_jax.systems.scaling_parts import (
     part_deadline,
 )
 
+from launch._cli import ArgumentParser, user_errors
+
 MIN_PART_S = 20.0  # a part with less time than this left is skipped, not started
 GRACE_S = 30.0  # past a part's deadline before it is stopped (it checks the deadline between measurements)
 GPU_XLA_FLAGS = "--xla_gpu_enable_latency_hiding_scheduler=true"  # overlap gradient collectives with compute
@@ -47,8 +49,8 @@ def write_json_atomic(path: str, obj) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m launch.scaling", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(prog="python -m launch.scaling", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/scaling.json", help="the report (JSON); the figure goes beside it")
     ap.add_argument("--time-budget", type=float, default=480.0, help="seconds for all parts together")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
@@ -163,6 +165,7 @@ def headline(result: dict) -> dict:
     return h
 
 
+@user_errors("launch.scaling")
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.run_part:

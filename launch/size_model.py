@@ -12,10 +12,13 @@ import argparse
 import json
 import sys
 
+from launch._cli import ArgumentParser, user_errors
 
+
+@user_errors("launch.size_model")
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m launch.size_model", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(prog="python -m launch.size_model", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hardware", default="mi300x")
     ap.add_argument("--model", default="zaya1_base", help="model preset")
     ap.add_argument("--seq-len", type=int, default=4096)

@@ -11,16 +11,17 @@ are stopped and the group restarts from the latest checkpoint (zaya_jax/fault/gr
 import argparse
 import sys
 
-from zaya_jax.fault.group import PLATFORMS, GroupError, GroupSpec
+from zaya_jax.fault.group import PLATFORMS, GroupSpec
 from zaya_jax.fault.supervisor import Supervisor, SupervisorConfig
 
+from launch._cli import ArgumentParser, UsageError, user_errors
 
+
+@user_errors("launch.supervise")
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    if "--" not in argv:
-        sys.exit("usage: python -m launch.supervise [OPTIONS] -- TRAIN COMMAND ...")
-    split = argv.index("--")
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    split = argv.index("--") if "--" in argv else len(argv)  # parsed first, so --help works without a command
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-restarts", type=int, default=5)
     ap.add_argument("--backoff", type=float, default=1.0, help="first restart delay (s), doubling")
     ap.add_argument("--hang-factor", type=float, default=10.0, help="hang = no step for this x median step time")
@@ -40,15 +41,15 @@ def main(argv=None):
                     help="when one rank died: seconds the others get to exit before SIGKILL")
     args = ap.parse_args(argv[:split])
     command = argv[split + 1:]
+    if not command:
+        raise UsageError("give the training command after --: python -m launch.supervise [OPTIONS] -- "
+                         "python -m launch.train --workdir DIR ...")
     workdir = next((a.split("=", 1)[1] for a in command if a.startswith("--workdir=")), None)
     if workdir is None and "--workdir" in command:
         workdir = command[command.index("--workdir") + 1]
     if not workdir:
-        sys.exit("launch.supervise: the training command must name its --workdir")
-    try:
-        group = GroupSpec(nproc=args.nproc, devices_per_process=args.devices_per_process, platform=args.platform)
-    except GroupError as e:
-        sys.exit(f"launch.supervise: {e}")
+        raise UsageError("the training command must name its --workdir")
+    group = GroupSpec(nproc=args.nproc, devices_per_process=args.devices_per_process, platform=args.platform)
     cfg = SupervisorConfig(workdir=workdir, command=command, max_restarts=args.max_restarts,
                            backoff_s=args.backoff, hang_factor=args.hang_factor, min_hang_s=args.min_hang,
                            startup_s=args.startup, spike_window=args.spike_window, spike_z=args.spike_z,

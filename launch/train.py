@@ -11,11 +11,14 @@ import functools
 import os
 import sys
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
+from launch._cli import flag_errors, run_absl
+
 _DEFAULT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "default.py")
-config_flags.DEFINE_config_file("config", _DEFAULT, "ml-collections config file", lock_config=True)
+with flag_errors("launch.train"):  # ml_collections applies --config.x overrides here
+    config_flags.DEFINE_config_file("config", _DEFAULT, "ml-collections config file", lock_config=True)
 flags.DEFINE_string("workdir", "runs/default", "run directory (metrics, checkpoints)")
 
 
@@ -30,5 +33,6 @@ def main(argv, open_flags=None):
 
 if __name__ == "__main__":
     from zaya_jax.train.cli_config import split_open_flags
-    sys.argv[:], _open = split_open_flags(sys.argv)  # ml-collections reads sys.argv for its own overrides
-    app.run(functools.partial(main, open_flags=_open), argv=sys.argv)
+    with flag_errors("launch.train"):
+        sys.argv[:], _open = split_open_flags(sys.argv)  # ml-collections reads sys.argv for its own overrides
+    run_absl("launch.train", functools.partial(main, open_flags=_open))

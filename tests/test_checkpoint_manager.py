@@ -62,3 +62,26 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path):
     assert r.step == 1 and r.data == {"step": 1}
     np.testing.assert_array_equal(r.state["params"]["w"], state["params"]["w"])
     assert "step 2 cannot be read" in said[0] and "falling back to step 1" in said[0]
+
+
+def test_an_unreadable_latest_step_is_set_aside_and_blocks_no_save_nor_retention(tmp_path):
+    import os
+    mngr = CheckpointManager(str(tmp_path), save_interval_steps=2, max_to_keep=2)
+    state = _state(_mesh(2))
+    for step in (2, 4):
+        mngr.save(step, jax.tree.map(lambda x: x + step, state), data={"step": step}, meta={})
+    mngr.close()
+    for root, _, files in os.walk(tmp_path / "4" / "state"):
+        for f in files:
+            open(os.path.join(root, f), "wb").close()
+    said = []
+    mngr = CheckpointManager(str(tmp_path), save_interval_steps=2, max_to_keep=2)
+    r = mngr.restore(abstract_like(state), log=said.append, set_aside=True)
+    assert r.step == 2 and f"moved to {tmp_path / 'unreadable' / '4'}" in said[0]
+    assert mngr.all_steps() == [2] and os.path.isdir(tmp_path / "unreadable" / "4")
+    for step in (4, 6):  # the periodic saves after the fallback happen, and retention keeps the newest
+        assert mngr.save(step, jax.tree.map(lambda x: x + step, r.state), data={"step": step}, meta={})
+    mngr.close()
+    mngr = CheckpointManager(str(tmp_path))
+    assert mngr.all_steps() == [4, 6]
+    assert mngr.restore(abstract_like(state), step=4).data == {"step": 4}

@@ -77,3 +77,18 @@ def test_cli_writes_dataset_and_reports_errors(tmp_path, capsys):
     assert "2 documents" in capsys.readouterr().out
     assert prepare_main([str(tmp_path / "nope.txt"), "--output-prefix", out]) == 1
     assert "no such input file" in capsys.readouterr().err
+
+
+def test_cli_refuses_to_overwrite_its_input_and_counts_invalid_utf8(tmp_path, capsys):
+    src = tmp_path / "doc.bin"  # an input named like the output's .bin
+    src.write_bytes(b"good\xff\xfe text\n")
+    assert prepare_main([str(src), "--output-prefix", str(tmp_path / "doc")]) == 1
+    assert "is the input" in capsys.readouterr().err and src.read_bytes() == b"good\xff\xfe text\n"
+    gz = tmp_path / "bad.txt.gz"
+    with gzip.open(gz, "wb") as f:
+        f.write(b"caf\xe9 \x80ok\n")
+    out = str(tmp_path / "out")
+    assert prepare_main([str(src), str(gz), "--output-prefix", out]) == 0
+    err = capsys.readouterr().err
+    assert f"{src}: replaced 2 bytes of invalid UTF-8" in err and f"{gz}: replaced 2 bytes" in err
+    assert decoded(out)[0] == ["good\ufffd\ufffd text\n", "caf\ufffd \ufffdok\n"]

@@ -64,3 +64,18 @@ def test_missing_orbax_step_is_reported(tmp_path):
     save_training_checkpoint(model, tmp_path, step=3)
     with pytest.raises(CheckpointError):
         load_model(tmp_path, step=7)
+
+
+def test_an_unreadable_latest_step_falls_back_like_training(tmp_path, capsys):
+    import os
+    good = random_model(CFG, seed=9)
+    save_training_checkpoint(good, tmp_path, step=3)
+    save_training_checkpoint(random_model(CFG, seed=10), tmp_path, step=5)
+    for root, _, files in os.walk(tmp_path / "checkpoints" / "5" / "state"):  # truncate step 5's data files
+        for f in files:
+            open(os.path.join(root, f), "wb").close()
+    loaded = load_model(tmp_path)
+    assert "step 5 cannot be read" in capsys.readouterr().err
+    for a, b in zip(jax.tree.leaves(nnx.state(good, nnx.Param)), jax.tree.leaves(nnx.state(loaded, nnx.Param))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert os.path.isdir(tmp_path / "checkpoints" / "5")  # a reader leaves the run directory alone

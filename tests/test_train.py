@@ -137,3 +137,64 @@ def test_the_trainer_skips_marked_data_reports_a_spike_and_exits_on_nan(straight
     assert read(wd) == read(straight[0])
     beat = read_json(os.path.join(wd, HEARTBEAT))
     assert (beat["step"], beat["finishing"], beat["pid"]) == (3, False, os.getpid())
+
+
+def tensorboard_purge_steps(workdir):
+    """Steps of the SessionLog START events (TensorBoard hides earlier events at or past them) per event file."""
+    import glob
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
+    out = []
+    for path in sorted(glob.glob(os.path.join(workdir, "tensorboard", "events.out.tfevents.*"))):
+        data, pos, starts = open(path, "rb").read(), 0, []
+        while pos < len(data):  # TFRecord: length, its crc, the record, its crc
+            (n,) = struct.unpack("<Q", data[pos:pos + 8])
+            event = Event.FromString(data[pos + 12:pos + 12 + n])
+            if event.HasField("session_log") and event.session_log.status == SessionLog.START:
+                starts.append(event.step)
+            pos += 16 + n
+        out.append(starts)
+    return out
+
+
+def test_resume_past_an_unreadable_step_keeps_good_state_and_logs_every_step_once(tmp_path, monkeypatch):
+    """An unreadable latest checkpoint is set aside (saves after the fallback happen, retention keeps them); rows
+    logged past the restored step go; throughput is measured after a rewind's skipped step; every save logs its
+    blocking time; a failure after metrics started leaves no TensorBoard thread behind."""
+    import threading
+
+    import orbax.checkpoint as ocp
+
+    from zaya_jax.train import loop
+    wd = str(tmp_path / "run")
+    cfg = lambda steps: small_config(steps=steps, checkpoint_every=2, keep_checkpoints=2)  # noqa: E731
+    run(cfg(4), wd, log=lambda *_: None)  # checkpoints 2 and 4, rows 1-4
+    for root, _, files in os.walk(os.path.join(wd, "checkpoints", "4", "state")):
+        for f in files:
+            open(os.path.join(root, f), "wb").close()
+    write_json_atomic(os.path.join(wd, CONTROL), {"skip_steps": [[3, 3]]})  # as a supervisor rewind leaves it
+    said = []
+    run(cfg(6), wd, log=lambda line, *_: said.append(str(line)))  # falls back to 2, skips 3, trains 4-6
+    assert any(f"moved to {os.path.join(wd, 'checkpoints', 'unreadable', '4')}" in line for line in said), said
+    ckpts = ocp.CheckpointManager(os.path.join(wd, "checkpoints"))
+    assert ckpts.all_steps() == [4, 6]  # the step-4 save happened; retention dropped 2, the oldest readable
+    ckpts.restore(4, args=ocp.args.Composite(state=ocp.args.StandardRestore()))  # readable
+    with open(os.path.join(wd, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    trained = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in trained] == [1, 2, 4, 5, 6]
+    from zaya_jax.fault.drill import read_attempts  # metrics.attempts.jsonl keeps what each attempt logged
+    assert [sorted(a) for a in read_attempts(wd)] == [[1, 2, 3, 4], [4, 5, 6]]
+    assert all(r["tokens_per_s"] > 0 for r in trained if r["step"] in (5, 6))
+    assert [r["step"] for r in rows if "checkpoint_blocking_s" in r] == [2, 4, 6]
+    assert all(0 <= r["checkpoint_blocking_s"] < 60 for r in rows if "checkpoint_blocking_s" in r)
+    assert tensorboard_purge_steps(wd) == [[1], [3]]  # the second attempt hides what the first logged past 2
+
+    def fail(workdir, step, **_):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(loop, "beat", fail)
+    with pytest.raises(RuntimeError, match="disk full"):
+        run(cfg(8), wd, log=lambda *_: None)
+    assert not [t for t in threading.enumerate() if type(t).__name__ == "_EventLoggerThread"]

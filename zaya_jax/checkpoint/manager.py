@@ -61,10 +61,11 @@ class CheckpointManager:
         return self._mngr.latest_step()
 
     def restore(self, abstract_state, *, step: int | None = None, expect_meta: dict | None = None,
-                log=print) -> Restored:
+                log=print, set_aside: bool = False) -> Restored:
         """Restores onto the shardings of `abstract_state` (a pytree of jax.ShapeDtypeStruct with .sharding), so
         the saving and the restoring mesh may differ. `expect_meta`: keys whose saved values must match.
-        Without `step`, a latest checkpoint that cannot be read falls back to the one before it."""
+        Without `step`, a latest checkpoint that cannot be read falls back to the one before it; `set_aside`
+        (the trainer) also moves it into unreadable/, so it neither blocks nor counts toward later saves."""
         steps = self.all_steps()
         if not steps:
             raise CheckpointError(f"no finished checkpoint in {self.directory}")
@@ -79,8 +80,23 @@ class CheckpointManager:
             except Exception as e:  # unreadable files: a corrupt or truncated checkpoint
                 if i + 1 == len(candidates):
                     raise CheckpointError(f"checkpoint {self.directory} step {s} cannot be read: {e}") from e
+                moved = f"; moved to {self._set_aside(s)}" if set_aside else ""
                 log(f"checkpoint {self.directory} step {s} cannot be read ({type(e).__name__}: "
-                    f"{str(e)[:200]}); falling back to step {candidates[i + 1]}")
+                    f"{str(e)[:200]}){moved}; falling back to step {candidates[i + 1]}")
+
+    def _set_aside(self, step: int) -> str:
+        """Moves an unreadable step to DIR/unreadable/STEP (kept for inspection, no longer a step of DIR)."""
+        aside = os.path.join(self.directory, "unreadable")
+        dest = os.path.join(aside, str(step))
+        if jax.process_index() == 0:
+            os.makedirs(aside, exist_ok=True)
+            while os.path.exists(dest):  # set aside before: keep both
+                dest += "+"
+            os.rename(os.path.join(self.directory, str(step)), dest)
+        if jax.process_count() > 1:
+            ocp.multihost.sync_global_processes(f"zaya_set_aside_{step}")
+        self._mngr.reload()
+        return dest
 
     def _restore_step(self, step: int, abstract_state, expect_meta) -> Restored:
         meta = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]

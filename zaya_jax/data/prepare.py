@@ -9,10 +9,12 @@ Files ending in .gz are decompressed on the fly. Empty documents are skipped, as
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import gzip
 import json
 import os
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 
@@ -35,14 +37,16 @@ def detect_format(path: str) -> str:
 
 
 def iter_documents(paths: Sequence[str], fmt: str = "auto", *, text_key: str = "text",
-                   split_lines: bool = False) -> Iterator[str]:
-    """The documents of `paths`, in order (files in the order given)."""
+                   split_lines: bool = False, replaced: dict | None = None) -> Iterator[str]:
+    """The documents of `paths`, in order (files in the order given). Invalid UTF-8 in text and JSONL inputs is
+    replaced by U+FFFD; `replaced`, if given, receives {path: bytes replaced} for every file that had any."""
     if fmt not in FORMATS:
         raise DataError(f"unknown input format {fmt!r} (choose from {FORMATS})")
     for path in paths:
         if not os.path.isfile(path):
             raise DataError(f"{path}: no such input file")
         kind = detect_format(path) if fmt == "auto" else fmt
+        before = _REPLACED.count
         if kind == "parquet":
             yield from _parquet_documents(path, text_key)
         elif kind == "jsonl":
@@ -53,12 +57,38 @@ def iter_documents(paths: Sequence[str], fmt: str = "auto", *, text_key: str = "
         else:
             with _open_text(path) as f:
                 yield f.read()
+        if replaced is not None and _REPLACED.count > before:
+            replaced[path] = replaced.get(path, 0) + _REPLACED.count - before
+
+
+class _ReplacedBytes(threading.local):
+    count = 0
+
+
+_REPLACED = _ReplacedBytes()  # bytes of invalid UTF-8 decoded as U+FFFD so far, in this thread
+
+
+def _replace_counted(e: UnicodeDecodeError):
+    _REPLACED.count += e.end - e.start
+    return "\ufffd", e.end
+
+
+codecs.register_error("zaya_replace_counted", _replace_counted)
 
 
 def _open_text(path: str):
     if path.endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8", errors="replace")
-    return open(path, encoding="utf-8", errors="replace")
+        return gzip.open(path, "rt", encoding="utf-8", errors="zaya_replace_counted")
+    return open(path, encoding="utf-8", errors="zaya_replace_counted")
+
+
+def check_not_inputs(inputs: Sequence[str], outputs: Sequence[str]) -> None:
+    """Refuses output files that are one of the inputs (the finished dataset would replace its own source)."""
+    real = {os.path.realpath(p): p for p in inputs}
+    for out in outputs:
+        if os.path.realpath(out) in real:
+            raise DataError(f"output {out} is the input {real[os.path.realpath(out)]}: choose another "
+                            "--output-prefix")
 
 
 def _jsonl_documents(path: str, text_key: str) -> Iterator[str]:

@@ -20,12 +20,14 @@ def read_events(workdir: str) -> list[dict]:
 
 
 def read_attempts(workdir: str) -> list[dict[int, float]]:
-    """metrics.jsonl split into the run's starts: a start after a restart logs its steps again from the checkpoint
-    it resumed from, so a step at or below the previous line's begins a new attempt."""
+    """The metrics of every attempt (metrics.attempts.jsonl; metrics.jsonl keeps only the rows that stand) split into
+    the run's starts: a start after a restart logs its steps again from the checkpoint it resumed from, so a step at
+    or below the previous line's begins a new attempt."""
     attempts: list[dict[int, float]] = []
     last = None
+    path = os.path.join(workdir, "metrics.attempts.jsonl")
     try:
-        with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        with open(path if os.path.exists(path) else os.path.join(workdir, "metrics.jsonl")) as f:
             for line in f:
                 row = json.loads(line)
                 if "loss" not in row:

@@ -28,6 +28,7 @@ import os
 import shutil
 import statistics
 import subprocess
+import sys
 import time
 
 from zaya_jax.fault.control import (
@@ -39,6 +40,7 @@ from zaya_jax.fault.control import (
     write_json_atomic,
 )
 from zaya_jax.fault.group import GroupSpec, ProcessGroup
+from zaya_jax.train.metrics import drop_rows_after
 
 EXIT_NONFINITE = 65  # zaya_jax.train.loop.EXIT_NONFINITE (not imported: the supervisor must not load jax)
 
@@ -81,16 +83,21 @@ class Supervisor:
         return row
 
     def _losses(self, offset: int) -> tuple[list[tuple[int, float]], int]:
-        """(step, loss) rows appended to metrics.jsonl since byte `offset`, and the new offset."""
+        """(step, loss) rows appended to metrics.jsonl since byte `offset`, and the new offset (at most the file's
+        size: a trainer that fell back past an unreadable checkpoint drops more rows itself)."""
         rows = []
         try:
-            with open(self.metrics_path) as f:
+            with open(self.metrics_path, "rb") as f:
+                offset = min(offset, os.fstat(f.fileno()).st_size)
                 f.seek(offset)
                 for line in f:
-                    if not line.endswith("\n"):
+                    if not line.endswith(b"\n"):
                         break
                     offset += len(line)
-                    r = json.loads(line)
+                    try:
+                        r = json.loads(line)
+                    except ValueError:
+                        continue
                     if "loss" in r:
                         rows.append((r["step"], r["loss"]))
         except FileNotFoundError:
@@ -102,6 +109,20 @@ class Supervisor:
         if not os.path.isdir(d):
             return []
         return sorted(int(n) for n in os.listdir(d) if n.isdigit())
+
+    def _restart_offset(self, history: list) -> int:
+        """Before a (re)start: rows logged past the latest checkpoint go (the trainer resumes there, logs those
+        steps again and would drop them itself); returns the offset where reading goes on."""
+        resume = max(self._checkpoint_steps(), default=0)
+        drop_rows_after(self.metrics_path, resume)
+        history[:] = [(st, x) for st, x in history if st <= resume]
+        try:
+            return os.path.getsize(self.metrics_path)
+        except FileNotFoundError:
+            return 0
+
+    def _say(self, line: str):
+        print(f"supervisor: {line} (events: {self.events_path})", file=sys.stderr, flush=True)
 
     # ---- actions --------------------------------------------------------------------------------------------------
     def rewind(self, bad_step: int, reason: str):
@@ -140,17 +161,17 @@ class Supervisor:
         cfg = self.cfg
         restarts, backoff = 0, cfg.backoff_s
         last_failure = None
-        offset = 0
         history: list[tuple[int, float]] = []  # (step, loss) of recent good steps, for the spike statistics
         while True:
             env, nproc = self._devices_env()
             hb_path = os.path.join(cfg.workdir, HEARTBEAT)
             start_beat = read_json(hb_path, {}) or {}
+            offset = self._restart_offset(history)
             group = ProcessGroup(cfg.command, cfg.group, env, nproc)
             self.event("start", pid=group.pids[0], pids=group.pids, nproc=nproc, command=cfg.command,
                        devices=env.get("ZAYA_NUM_DEVICES"), from_step=start_beat.get("step"))
             verdict = self._watch(group, hb_path, start_beat, offset, history)
-            offset = verdict.pop("offset")
+            verdict.pop("offset")
             if verdict["kind"] == "done":
                 self.event("done", step=verdict.get("step"))
                 return 0
@@ -158,6 +179,8 @@ class Supervisor:
             signature = (verdict["kind"], step)
             if signature == last_failure and verdict["kind"] in ("crash", "nonfinite"):
                 self.event("unknown_failure", **verdict)
+                self._say(f"stopping: the same failure twice without progress ({_describe(verdict)}); it needs a "
+                          "human")
                 return 2
             last_failure = signature
             progressed = verdict.pop("progressed", False)
@@ -165,6 +188,7 @@ class Supervisor:
                 restarts, backoff = 0, cfg.backoff_s
             if restarts >= cfg.max_restarts:
                 self.event("gave_up", restarts=restarts, **verdict)
+                self._say(f"gave up after {restarts} restarts without progress; last failure: {_describe(verdict)}")
                 return 1
             if verdict["kind"] in ("nonfinite", "spike"):
                 self.rewind(verdict["bad_step"], verdict["kind"])
@@ -237,3 +261,10 @@ class Supervisor:
         mad = statistics.median(abs(x - med) for x in history) or 1e-6
         return (loss - med) / (1.4826 * mad) > self.cfg.spike_z
 
+
+def _describe(verdict: dict) -> str:
+    """One failure verdict of _watch in words, e.g. 'crash (exit 1) before the first step'."""
+    kind, step = verdict["kind"], verdict.get("step")
+    how = f" ({verdict['how']})" if verdict.get("how") else ""
+    where = f" at step {step}" if step is not None else " before the first step"
+    return f"{kind}{how}{where}"

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import jax
@@ -59,8 +60,30 @@ def read_meta(directory: str, step: int | None = None) -> tuple[int, dict]:
     return step, meta
 
 
-def load_orbax(path, *, dtype: str = "float32", step: int | None = None, **overrides) -> ZayaForCausalLM:
+def load_orbax(path, *, dtype: str = "float32", step: int | None = None, log=None,
+               **overrides) -> ZayaForCausalLM:
+    """Without `step`, a latest checkpoint that cannot be read falls back to the one before it, as training and
+    evaluation do (it is not moved: readers leave the run directory as it is). `log`: default stderr."""
     directory = orbax_directory(path)
+    if step is not None:
+        return _load_orbax_step(directory, step, dtype, overrides)
+    steps = sorted(ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True)).all_steps())
+    if not steps:
+        raise CheckpointError(f"no finished checkpoint in {directory}")
+    for i, s in enumerate(reversed(steps)):
+        try:
+            return _load_orbax_step(directory, s, dtype, overrides)
+        except CheckpointError:
+            raise
+        except Exception as e:  # unreadable files: a corrupt or truncated checkpoint
+            if i + 1 == len(steps):
+                raise CheckpointError(f"checkpoint {directory} step {s} cannot be read: {e}") from e
+            (log or (lambda m: print(m, file=sys.stderr)))(
+                f"checkpoint {directory} step {s} cannot be read ({type(e).__name__}: {str(e)[:200]}); falling "
+                f"back to step {steps[-i - 2]}")
+
+
+def _load_orbax_step(directory: str, step: int, dtype: str, overrides: dict) -> ZayaForCausalLM:
     step, meta = read_meta(directory, step)
     cfg = ModelConfig.from_hf_dict(meta["model"], dtype=jnp.dtype(dtype).name, **overrides)
     abstract = nnx.eval_shape(lambda: ZayaForCausalLM(cfg, rngs=nnx.Rngs(0)))

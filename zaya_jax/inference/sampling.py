@@ -22,8 +22,8 @@ class Sampling:
     top_p: float = 1.0  # 1 = off
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < float("inf"):  # also refuses NaN
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:

@@ -55,10 +55,14 @@ H200 = HardwareSpec(name="H200", hbm_bytes=141e9, peak_bf16_flops=989e12, gemm_f
 PRESETS = {"mi300x": MI300X, "h200": H200}
 
 
+class HardwareError(ValueError):
+    """An unknown preset or a file that describes no hardware."""
+
+
 def preset(name: str) -> HardwareSpec:
     key = name.lower()
     if key not in PRESETS:
-        raise ValueError(f"unknown hardware preset {name!r}; choose one of {sorted(PRESETS)} or pass a JSON file")
+        raise HardwareError(f"unknown hardware preset {name!r}; choose one of {sorted(PRESETS)} or pass a JSON file")
     return PRESETS[key]
 
 
@@ -76,7 +80,7 @@ def from_sweeps(base: HardwareSpec, paths: list[str]) -> HardwareSpec:
             update.update(found)
             used.append(os.path.basename(path))
     if not used:
-        raise ValueError(f"none of {files} holds an hbm, gemm or collectives sweep")
+        raise HardwareError(f"none of {files} holds an hbm, gemm or collectives sweep")
     return dataclasses.replace(base, **update, sources=tuple(base.sources) + tuple(used))
 
 
@@ -90,6 +94,10 @@ def load(spec: str) -> HardwareSpec:
     if sep and head.lower() in PRESETS:
         return from_sweeps(preset(head), tail.split(","))
     paths = spec.split(",")
+    missing = [p for p in paths if not os.path.exists(p)]
+    if missing:
+        raise HardwareError(f"hardware {spec!r}: {', '.join(missing)} is neither a preset ({sorted(PRESETS)}) nor "
+                            "an existing file or directory")
     if len(paths) == 1 and os.path.isfile(paths[0]):
         with open(paths[0]) as f:
             data = json.load(f)

@@ -133,7 +133,9 @@ def restore_on_fewer(ref_dir: str, workdir: str, plan: RunPlan, devices: int, fe
     for name in os.listdir(ckpts):
         if name.isdigit() and int(name) > resume_at:
             shutil.rmtree(os.path.join(ckpts, name))
-    os.remove(os.path.join(workdir, "metrics.jsonl"))
+    for name in ("metrics.jsonl", "metrics.attempts.jsonl"):  # the copy logs only what the resumed run trains
+        if os.path.exists(os.path.join(workdir, name)):
+            os.remove(os.path.join(workdir, name))
     code, wall = _train(train_command(workdir, plan, devices), f"{workdir}.log", timeout,
                         _env({"ZAYA_NUM_DEVICES": str(fewer)}, gpu=gpu))
     out = {"saved_on_devices": devices, "restored_on_devices": fewer, "resumed_from_step": resume_at,

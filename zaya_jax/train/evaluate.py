@@ -55,7 +55,10 @@ def evaluate_checkpoint(config, workdir: str, *, step: int | None = None, max_ba
         config = run_record.load_config(workdir)
     s = setup(config, log=log)
     ckpt = checkpoint_manager(config, workdir)
-    restored = ckpt.restore(abstract_like(s.state), step=step, expect_meta=s.meta)
+    try:
+        restored = ckpt.restore(abstract_like(s.state), step=step, expect_meta=s.meta, log=log)
+    finally:  # its background threads must not outlive a failed restore
+        ckpt.close()
     params, model_state = restored.state["params"], restored.state["model_state"]
     evaluator = Evaluator(s.graphdef, s.valid_sources, seq_len=s.plan.seq_len, rows=s.plan.micro_rows, mesh=s.mesh,
                           max_batches=max_batches, reset_at_documents=bool(config.data.reset_at_documents))

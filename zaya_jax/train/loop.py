@@ -69,7 +69,27 @@ class Plan:
         return self.ramp[step] if step < len(self.ramp) else self.accumulation
 
 
+def validate(config: ConfigDict) -> None:
+    """Refuses values that cannot work, before any model is built or compiled."""
+    t, o = config.train, config.optim
+    positive = {"data.seq_len": config.data.seq_len, "train.steps": t.steps, "train.log_every": t.log_every,
+                "train.checkpoint_every": t.checkpoint_every, "train.global_batch_tokens": t.global_batch_tokens,
+                "train.microbatch_tokens": t.microbatch_tokens}
+    for name, v in positive.items():
+        if not isinstance(v, (int, np.integer)) or v < 1:
+            raise TrainConfigError(f"{name}={v!r} must be a positive whole number")
+    if t.get("eval_every") is not None and t.eval_every < 0:
+        raise TrainConfigError(f"train.eval_every={t.eval_every} must be >= 0 (0: no evaluation)")
+    for name, what in (("eval_batches", "every held-out batch"), ("keep_checkpoints", "keep all")):
+        if t.get(name) is not None and t[name] < 1:
+            raise TrainConfigError(f"train.{name}={t[name]} must be >= 1 (or None: {what})")
+    lr = o.get("learning_rate")
+    if not isinstance(lr, (int, float)) or not 0 <= lr < math.inf:
+        raise TrainConfigError(f"optim.learning_rate={lr!r} must be a finite number >= 0")
+
+
 def make_plan(config: ConfigDict) -> Plan:
+    validate(config)
     cfg = preset(config.model.preset, **dict(config.model.get("overrides", {})))
     t, seq = config.train, config.data.seq_len
     for name in ("global_batch_tokens", "microbatch_tokens"):
@@ -203,6 +223,21 @@ def checkpoint_manager(config: ConfigDict, workdir: str) -> CheckpointManager:
 
 
 def run(config: ConfigDict, workdir: str, *, log=print) -> dict:
+    """Trains; what it opened (metrics writer, checkpoint manager, data iterator) is closed on every exit path:
+    an exception leaves no writer thread behind (TensorBoard's fails loudly at interpreter exit)."""
+    closers = []
+    try:
+        return _run(config, workdir, log=log, closers=closers)
+    except BaseException:
+        for close in reversed(closers):
+            try:
+                close()
+            except Exception as e:  # the original error matters more
+                log(f"while stopping: {type(e).__name__}: {e}")
+        raise
+
+
+def _run(config: ConfigDict, workdir: str, *, log, closers: list) -> dict:
     maybe_initialize()
     os.makedirs(workdir, exist_ok=True)
     lead = jax.process_index() == 0
@@ -212,10 +247,11 @@ def run(config: ConfigDict, workdir: str, *, log=print) -> dict:
     log(partition_table(state["params"], s.optimizer, s.tx))
 
     ckpt = checkpoint_manager(config, workdir)
+    closers.append(ckpt.close)
     data_state, start = None, 0
     run_record.ensure(config, workdir, resuming=ckpt.latest_step() is not None, write=lead, log=log)
     if ckpt.latest_step() is not None:
-        restored = ckpt.restore(abstract_like(state), expect_meta=meta)
+        restored = ckpt.restore(abstract_like(state), expect_meta=meta, log=log, set_aside=True)
         state, data_state, start = restored.state, restored.data, restored.step
         log(f"resumed from {ckpt.directory} step {start}")
     elif config.train.get("init_from"):  # a previous run or a Hugging Face directory
@@ -233,6 +269,7 @@ def run(config: ConfigDict, workdir: str, *, log=print) -> dict:
     it = train_iterator(s.train_sources, dict(config.data.weights), seq_len=plan.seq_len, global_batch=plan.micro_rows,
                         seed=config.seed, rank=jax.process_index(), num_ranks=jax.process_count(), state=data_state,
                         prefetch=config.data.prefetch, vocab_size=cfg.vocab_size)
+    closers.append(it.close)
     reset = bool(config.data.reset_at_documents)
     ce_chunk = int(config.train.get("ce_chunk_tokens", 0)) or None  # chunked head + CE for large vocabularies
     view_dtype = cfg.dtype if config.train.get("cast_weights_once", True) else None
@@ -269,12 +306,16 @@ def run(config: ConfigDict, workdir: str, *, log=print) -> dict:
                       compiler_options=combine_threshold_options(s.parallel.bucket_bytes))
     evaluator = Evaluator(s.graphdef, s.valid_sources, seq_len=plan.seq_len, rows=plan.micro_rows, mesh=mesh,
                           max_batches=config.train.eval_batches, reset_at_documents=reset)
-    writer = MetricsWriter(workdir, enabled=lead)
+    writer = MetricsWriter(workdir, enabled=lead, resume_step=start)  # drops rows logged past start before
+    closers.append(writer.close)
+    if writer.dropped:
+        log(f"metrics.jsonl: dropped {writer.dropped} rows logged past step {start} by an earlier attempt")
     peak = _peak_flops(config)
     flops_tok = flops_per_token(cfg, plan.seq_len)
     tokens_per_micro = plan.micro_rows * plan.seq_len  # throughput counts tokens, so a ramp is measured right
     meter, last = Throughput(), {}
     progress = _progress(start, plan.steps, lead)
+    closers.append(getattr(progress, "close", lambda: None))  # a bar left open redraws after the error
     sums, step_count = {}, 0
     faults = FaultInjector(config.train.get("fault", ""), workdir)
     stop = GracefulStop()
@@ -297,9 +338,9 @@ def run(config: ConfigDict, workdir: str, *, log=print) -> dict:
             sums["loss"] = sums["loss"] * jnp.nan
         if faults.poisoned("spike", done):
             sums["loss"] = sums["loss"] * 50.0
-        if done == start + 1:
+        if not meter.started:  # the first step run (skipped data may come first) compiles: not measured
             jax.block_until_ready(state)
-            meter.start()  # exclude compilation from throughput
+            meter.start()
         if done % config.train.log_every == 0 or done == plan.steps:
             last = {name: float(v) / step_count for name, v in sums.items()}
             sums, step_count = {}, 0
@@ -320,15 +361,23 @@ def run(config: ConfigDict, workdir: str, *, log=print) -> dict:
         faults.after_step(done)
         if stop.requested:
             log(f"step {done}: stop requested; finishing checkpoint writes (exit {EXIT_STOPPED})")
+            writer.close()
             ckpt.wait()
             os._exit(EXIT_STOPPED)
         if config.train.eval_every and (done % config.train.eval_every == 0 or done == plan.steps):
-            ev = evaluator(state["params"], state["model_state"])
+            jax.block_until_ready(state)  # the step's own compute stays in the step time
+            with meter.excluded():  # evaluation (and its first call's compilation) is not training throughput
+                ev = evaluator(state["params"], state["model_state"])
             writer.write(done, ev)
             log(f"eval @ {done}: " + " ".join(f"{k}={v:.4f}" for k, v in ev.items()))
             last.update(ev)
         if done % config.train.checkpoint_every == 0 or done == plan.steps:
-            ckpt.save(done, state, data=it.state(), meta=meta, force=done == plan.steps)
+            jax.block_until_ready(state)
+            # what a save costs the loop: the device->host copy and any wait for the previous save to finish
+            with meter.excluded() as blocked:
+                saved = ckpt.save(done, state, data=it.state(), meta=meta, force=done == plan.steps)
+            if saved:
+                writer.write(done, {"checkpoint_blocking_s": blocked.seconds})
             faults.after_save(done)
     if lead:
         beat(workdir, plan.steps, finishing=True)
@@ -386,4 +435,5 @@ def _progress(start: int, total: int, enabled: bool):
         if done == total:
             bar.close()
 
+    update.close = bar.close
     return update

@@ -1,0 +1,99 @@
+"""What every launch command does with a user's mistake: one line on stderr naming the problem, a non-zero exit,
+no traceback. A bug (any other exception) still shows its traceback.
+
+    @user_errors("launch.generate")          argparse commands: wraps main(argv)
+    def main(argv=None): ap = ArgumentParser(...)
+    with flag_errors("launch.train"):        absl / ml_collections commands (train, evaluate): around the
+        config_flags.DEFINE_config_file(...)   config flag's definition (it reads the overrides)
+    run_absl("launch.train", main)           and instead of app.run(main)
+
+Errors are recognised by class name (no imports: the supervisor must not load jax)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import sys
+
+# the project's user-facing error classes (and their subclasses)
+USER_ERRORS = frozenset({"ConfigError", "DataError", "CheckpointError", "TrainConfigError", "ZayaCheckpointError",
+                         "GroupError", "HardwareError", "UsageError"})
+EXIT_USER_ERROR = 2
+
+
+class UsageError(ValueError):
+    """A command's own check of its arguments failed."""
+
+
+def is_user_error(e: BaseException) -> bool:
+    return any(c.__name__ in USER_ERRORS for c in type(e).__mro__)
+
+
+def one_line(e) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def fail(name: str, message: str):
+    print(f"{name}: {message}", file=sys.stderr)
+    raise SystemExit(EXIT_USER_ERROR)
+
+
+def user_errors(name: str):
+    def wrap(main):
+        @functools.wraps(main)
+        def guarded(*args, **kwargs):
+            try:
+                return main(*args, **kwargs)
+            except Exception as e:
+                if not is_user_error(e):
+                    raise
+                fail(name, one_line(e))
+        return guarded
+    return wrap
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line (the full usage stays under --help)."""
+
+    def error(self, message):  # user_errors() prints it under the command's name
+        raise UsageError(f"{message} (see --help)")
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    while e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__):
+        e = e.__cause__ or e.__context__
+    return e
+
+
+@contextlib.contextmanager
+def flag_errors(name: str):
+    """Anything raised while the command line is read is the command line's fault: one line. ml_collections reads
+    --config.x overrides already when the config flag is defined, and loads the config file lazily."""
+    try:
+        yield
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except Exception as e:
+        root = _root_cause(e)
+        if isinstance(root, OSError):  # a config file that did not load: its last line names the reason
+            message = str(root).strip().splitlines()[-1]
+        else:
+            message = e
+            while isinstance(message, BaseException) and len(message.args) == 1:  # KeyError('...') in AttributeError
+                message = message.args[0]
+        fail(name, f"bad command line: {one_line(message)}")
+
+
+def run_absl(name: str, main, argv=None):
+    """app.run(main) with flag errors (absl's, a config file that does not load) as one line."""
+    from absl import app, flags
+
+    def parse(argv):
+        with flag_errors(name):
+            rest = flags.FLAGS(argv)
+            if "config" in flags.FLAGS:
+                getattr(flags.FLAGS["config"].value, "keys", None)  # raises here if the config file did not load
+            return rest
+
+    user_errors(name)(lambda: app.run(main, argv=sys.argv if argv is None else argv, flags_parser=parse))()

@@ -1,0 +1,83 @@
+"""A user's mistake on the command line ends in one line naming it and a non-zero exit, never a traceback; values
+that cannot work are refused before a model is built; the supervisor shows its options and says why it stopped."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from configs.default import get_config
+from launch import characterize, generate, prepare_data, size_model, supervise
+from launch._cli import EXIT_USER_ERROR
+from zaya_jax.fault.supervisor import Supervisor, SupervisorConfig
+from zaya_jax.train import loop
+from zaya_jax.train.loop import TrainConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def one_line_exit(capsys, main, argv, *words):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == EXIT_USER_ERROR, (e.value.code, err)
+    assert len(err.strip().splitlines()) == 1 and all(w in err for w in words), err
+
+
+@pytest.mark.parametrize("key,value,named", [
+    ("train.steps", 0, "train.steps=0"), ("train.log_every", 0, "train.log_every=0"),
+    ("train.checkpoint_every", -5, "train.checkpoint_every=-5"), ("train.eval_every", -1, "train.eval_every=-1"),
+    ("train.global_batch_tokens", 0, "train.global_batch_tokens=0"), ("data.seq_len", 0, "data.seq_len=0"),
+    ("optim.learning_rate", -1e-3, "optim.learning_rate=-0.001"),
+    ("optim.learning_rate", float("nan"), "optim.learning_rate=nan")])
+def test_values_that_cannot_work_are_refused_before_a_model_is_built(key, value, named, tmp_path, monkeypatch):
+    def built(*_, **__):
+        raise AssertionError("a model was built")
+
+    monkeypatch.setattr(loop, "init_state", built)
+    c = get_config()
+    section, name = key.split(".")
+    c[section][name] = value
+    with pytest.raises(TrainConfigError, match=named.replace(".", r"\.")):
+        loop.run(c, str(tmp_path), log=lambda *_: None)
+
+
+def test_argparse_commands_report_mistakes_in_one_line(tmp_path, capsys):
+    one_line_exit(capsys, generate.main, ["--checkpoint", str(tmp_path), "--prompt", "a", "--temperature", "nan"],
+                  "launch.generate", "temperature")
+    one_line_exit(capsys, size_model.main, ["--hardware", "h300"], "launch.size_model", "h300")
+    one_line_exit(capsys, size_model.main, ["--model", "zaya9"], "launch.size_model", "zaya9")
+    one_line_exit(capsys, prepare_data.main, ["x.txt", "--holdout-every", "two"], "launch.prepare_data", "two")
+    one_line_exit(capsys, characterize.main, ["gemm", "--model", "zaya9", "--out", str(tmp_path)],
+                  "launch.characterize", "zaya9")
+    one_line_exit(capsys, supervise.main, ["--max-restarts", "1"], "launch.supervise", "after --")
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--config", "configs/nope.py"], ["launch.train", "nope.py"]),
+    (["--config.train.stepz=3"], ["launch.train", "stepz"]),
+    (["--config.train.steps=0", "--workdir", "{tmp}"], ["launch.train", "train.steps=0"])])
+def test_train_reports_a_missing_config_a_bad_flag_and_a_bad_value_in_one_line(argv, words, tmp_path):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    p = subprocess.run([sys.executable, "-m", "launch.train", *argv], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == EXIT_USER_ERROR, p.stderr
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and all(w in lines[0] for w in words), p.stderr
+
+
+def test_supervise_help_lists_its_options(capsys):
+    with pytest.raises(SystemExit) as e:
+        supervise.main(["--help"])
+    assert e.value.code == 0 and "--max-restarts" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("max_restarts,said", [(0, "gave up after 0 restarts"), (5, "the same failure twice")])
+def test_the_supervisor_says_why_it_stopped(max_restarts, said, tmp_path, capsys):
+    cfg = SupervisorConfig(workdir=str(tmp_path), command=[sys.executable, "-c", "raise SystemExit(2)"],
+                           max_restarts=max_restarts, backoff_s=0.01, poll_s=0.02)
+    assert Supervisor(cfg).run() != 0
+    err = capsys.readouterr().err
+    assert said in err and "crash (exit 2) before the first step" in err, err
