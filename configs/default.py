@@ -48,7 +48,7 @@ def get_config() -> ConfigDict:
     # total_steps 0: the schedule follows train.steps (raising it on a finished run keeps training at a real rate)
     c.optim = ConfigDict(dict(learning_rate=3e-3, schedule="wsd", warmup_steps=20, total_steps=0,
                               decay_fraction=0.3, weight_decay=0.0, clip_norm=1.0))
-    c.balancing = ConfigDict(dict(learning_rate=5e-3))  # fast enough to balance a short run (measured on a toy)
+    c.balancing = ConfigDict(dict(learning_rate=1.0))  # zaya_jax/optim/balancing.py, docs/routing.md
     c.mesh = ConfigDict(dict(data=-1, context=1, num_devices=0))  # num_devices 0 = all
     # zaya_jax/parallel/config.py: ZeRO-1, Newton-Schulz placement, context-parallel attention, gradient bucket
     c.parallel = ConfigDict(dict(zero1=True, muon_placement="whole_matrix", context_attention="allgather",

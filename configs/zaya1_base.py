@@ -32,7 +32,7 @@ def get_config() -> ConfigDict:
     c.optim = ConfigDict(dict(learning_rate=2e-3, schedule="wsd", warmup_steps=2000, total_steps=0,
                               decay_fraction=0.1, weight_decay=0.1, clip_norm=1.0,
                               muon_gram_impl="pallas"))  # symmetric Gram kernel: NS step 1.34x (muon_h200.json)
-    c.balancing = ConfigDict(dict(learning_rate=1e-3))
+    c.balancing = ConfigDict(dict(learning_rate=1.0))  # zaya_jax/optim/balancing.py, docs/routing.md
     c.mesh = ConfigDict(dict(data=-1, context=1, num_devices=0))
     c.parallel.bucket_bytes = 64 << 20  # set it from `characterize collectives` on the target network
     return c

@@ -28,7 +28,7 @@ def main(argv, open_flags=None):
     from zaya_jax.train.loop import run
     config = command_line_config(flags.FLAGS["config"], open_flags or OpenFlags(), flags.FLAGS.workdir)
     last = run(config, flags.FLAGS.workdir)
-    print("final: " + " ".join(f"{k}={v:.4g}" for k, v in sorted(last.items())))
+    print("final: " + " ".join(f"{k}={v:.4g}" for k, v in sorted(last.items()) if "/layer_" not in k))
 
 
 if __name__ == "__main__":

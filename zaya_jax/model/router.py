@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zaya_jax.config import ModelConfig
+from zaya_jax.model import routing_stats
 from zaya_jax.model.base import BalancingBias, Linear, RMSNormWeight, activation
 from zaya_jax.ops.rmsnorm import rms_norm_reference
 
@@ -30,10 +31,14 @@ class Router(nnx.Module):
         self.router_mlp = RouterMLP(cfg, rngs)
         init = jnp.zeros((cfg.num_experts + 1,), jnp.float32).at[-1].set(-1.0)
         self.balancing_biases = BalancingBias(init)
+        self.balance_tokens = False  # training with the bias controller on: set by the train step (set_attributes)
 
-    def __call__(self, x, prev_state, state_scale):
+    def __call__(self, x, prev_state, state_scale, token_mask=None):
         """x: [B,T,D]; prev_state: [B,T,R] fp32 (zeros at layer 0); state_scale: [R] (ones at layer 0).
-        Returns (weight [B,T] fp32, index [B,T] int32 in [0, E], router state for the next layer)."""
+        Returns (weight [B,T] fp32, index [B,T] int32 in [0, E], router state for the next layer, probabilities
+        [B,T,E+1] fp32, the balancing correction [E] of these tokens (routing_stats.balancing_correction)).
+        With balance_tokens the selection adds that correction to the biases: every expert gets an equal share of
+        this forward's tokens (the controller folds it into the biases, optim/balancing.py)."""
         cfg = self.cfg
         f32 = jnp.float32
         gelu = activation("gelu")
@@ -44,6 +49,11 @@ class Router(nnx.Module):
         z = gelu(mlp.fc2(z, f32))
         probs = jax.nn.softmax(mlp.out_proj(z, f32), axis=-1)
         score = jax.lax.stop_gradient(probs) + self.balancing_biases[...].astype(f32)
+        valid = jnp.ones(x.shape[:-1], bool) if token_mask is None else token_mask.astype(bool)
+        correction = routing_stats.balancing_correction(score[..., :-1].reshape(-1, cfg.num_experts),
+                                                        valid.reshape(-1))
+        if self.balance_tokens:
+            score = score + jnp.append(correction, 0.0)
         index = jnp.argmax(score, axis=-1).astype(jnp.int32)
         weight = jnp.take_along_axis(probs, index[..., None], axis=-1)[..., 0]
-        return weight, index, u
+        return weight, index, u, probs, correction

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zaya_jax.config import ModelConfig
-from zaya_jax.model import embedding_tap
+from zaya_jax.model import embedding_tap, routing_stats
 from zaya_jax.model.base import RMSNormWeight, dtypes, normal_init
 from zaya_jax.model.cca import rope_inv_freq
 from zaya_jax.model.layer import DecoderLayer
@@ -30,16 +30,24 @@ _FULL_WINDOW = jnp.iinfo(jnp.int32).max
 
 @dataclasses.dataclass
 class ForwardAux:
-    expert_counts: jax.Array  # [L, E+1] tokens routed to each class (last = skip) per layer, padding excluded
+    router_stats: jax.Array  # [L, 3 (E+1) + 2] per-layer routing sums over the counted tokens (model/routing_stats.py)
+
+    @property
+    def expert_counts(self) -> jax.Array:
+        """[L, E+1] tokens routed to each class (last = skip) per layer, padding excluded."""
+        return routing_stats.unpack(self.router_stats).counts
 
 
-jax.tree_util.register_dataclass(ForwardAux, data_fields=["expert_counts"], meta_fields=[])
+jax.tree_util.register_dataclass(ForwardAux, data_fields=["router_stats"], meta_fields=[])
 
-_REMAT = {
+# Every policy keeps the routers' balancing corrections ([E] per layer): the backward's recomputation reuses them
+# instead of solving again (model/routing_stats.py: balancing_correction).
+_KEEP_CORRECTION = jax.checkpoint_policies.save_only_these_names(routing_stats.CORRECTION_NAME)
+_REMAT = {name: jax.checkpoint_policies.save_from_both_policies(policy, _KEEP_CORRECTION) for name, policy in {
     "full": jax.checkpoint_policies.nothing_saveable,
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "save_attention": jax.checkpoint_policies.save_only_these_names("attention_out"),
-}
+}.items()}
 
 
 class Embedding(nnx.Module):
@@ -135,7 +143,7 @@ class ZayaModel(nnx.Module):
                                  "layers unrolled (scan_layers=False); lax.scan reads them stacked")
             (h, _), counts = jax.lax.scan(body, (h, router_state), xs)
             y = norm_ops.rms_norm(h, self.norm.weight[...], cfg.rms_norm_eps, dt, impl=cfg.norm_impl)
-            return y, ForwardAux(expert_counts=counts)
+            return y, ForwardAux(router_stats=counts)
         per_layer = unstack_layers(xs, cfg.num_hidden_layers)
         input_norms = [nnx.merge(graphdef, layer_xs[0]).input_layernorm.weight[...] for layer_xs in per_layer]
         x = norm_ops.rms_norm(h, input_norms[0], cfg.rms_norm_eps, dt, impl=cfg.norm_impl)
@@ -143,7 +151,7 @@ class ZayaModel(nnx.Module):
         for layer_xs, next_norm in zip(per_layer, input_norms[1:] + [self.norm.weight[...]]):
             carry, c = unrolled_body(carry, (*layer_xs, next_norm))
             counts.append(c)
-        return carry[1], ForwardAux(expert_counts=jnp.stack(counts))
+        return carry[1], ForwardAux(router_stats=jnp.stack(counts))
 
     def forward_with_layer_state(self, input_ids, *, positions, cca_state, attend_state, attend,
                                  attention_mask=None):

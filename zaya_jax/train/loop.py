@@ -38,6 +38,7 @@ from zaya_jax.parallel.zigzag import Zigzag
 from zaya_jax.train import run_record
 from zaya_jax.train.evaluate import Evaluator
 from zaya_jax.train.flops import flops_per_token
+from zaya_jax.train import routing_metrics
 from zaya_jax.train.init_from import initialize_from
 from zaya_jax.train.metrics import MetricsWriter, Throughput
 from zaya_jax.train.step import make_accumulating_train_step, make_local_loss_sums
@@ -273,6 +274,7 @@ def _run(config: ConfigDict, workdir: str, *, log, closers: list) -> dict:
     reset = bool(config.data.reset_at_documents)
     ce_chunk = int(config.train.get("ce_chunk_tokens", 0)) or None  # chunked head + CE for large vocabularies
     view_dtype = cfg.dtype if config.train.get("cast_weights_once", True) else None
+    balancer = BalancerConfig(**dict(config.balancing))
     grad_fn = None
     if zero_axes(mesh):  # several devices: per-device gradients in shard_map, reduced explicitly (data_parallel.py)
         cp = None
@@ -281,8 +283,8 @@ def _run(config: ConfigDict, workdir: str, *, log, closers: list) -> dict:
                                  attention=s.parallel.context_attention, impl=cfg.attention_impl)
             cp.check(cfg)
         grad_spec_of = zero1_spec_fn(mesh) if s.parallel.zero1 else (lambda shape: P())
-        grad_fn = sharded_value_and_grad(make_local_loss_sums(s.graphdef, reset, cp, ce_chunk), mesh, grad_spec_of,
-                                         zigzag=cp.zigzag if cp else None)
+        local_sums = make_local_loss_sums(s.graphdef, reset, cp, ce_chunk, balance_tokens=balancer.learning_rate > 0)
+        grad_fn = sharded_value_and_grad(local_sums, mesh, grad_spec_of, zigzag=cp.zigzag if cp else None)
     per_layer_view = view_dtype is not None and not cfg.scan_layers
     # deferred expert gradients: one device (the default gradient function) with the per-layer view and Pallas experts
     defer_wgrad = (bool(config.train.get("defer_expert_wgrad", True)) and grad_fn is None and per_layer_view
@@ -295,7 +297,7 @@ def _run(config: ConfigDict, workdir: str, *, log, closers: list) -> dict:
     # out_shardings pin the state's layout (ZeRO-1 shards stay shards, parameters stay replicated). One compiled
     # program per distinct k (the leading axis of the stacked batches): jit retraces when a batch ramp changes k,
     # each ramp value compiles once and the full batch's program serves every step after the ramp.
-    step_fn = jax.jit(make_accumulating_train_step(s.graphdef, s.tx, BalancerConfig(**dict(config.balancing)),
+    step_fn = jax.jit(make_accumulating_train_step(s.graphdef, s.tx, balancer,
                                                    reset_at_documents=reset, ce_chunk_tokens=ce_chunk,
                                                    grad_fn=grad_fn, compute_dtype=view_dtype,
                                                    per_layer_view=per_layer_view,
@@ -342,7 +344,7 @@ def _run(config: ConfigDict, workdir: str, *, log, closers: list) -> dict:
             jax.block_until_ready(state)
             meter.start()
         if done % config.train.log_every == 0 or done == plan.steps:
-            last = {name: float(v) / step_count for name, v in sums.items()}
+            last = routing_metrics.flatten({name: np.asarray(v) / step_count for name, v in sums.items()})
             sums, step_count = {}, 0
             tps = meter.rate()
             last["tokens_per_s"] = tps
@@ -429,6 +431,8 @@ def _progress(start: int, total: int, enabled: bool):
         bar.update(done - t0[1])
         t0[1] = done
         shown = {"loss": f"{m['loss']:.4f}", "tok/s": f"{m['tokens_per_s']:.0f}"}
+        if "max_load" in m:  # the worst layer's expert loads relative to uniform
+            shown["load"] = f"{m['max_load']:.2f}/{m['min_load']:.2f}"
         if "mfu" in m:
             shown["mfu"] = f"{100 * m['mfu']:.1f}%"
         bar.set_postfix(shown)

@@ -63,36 +63,45 @@ def loss_sums(model, batch, reset_at_documents: bool, ce_chunk_tokens: int | Non
         total, counted = chunked_head_cross_entropy(hidden, model.head_weight(), batch["targets"], mask, bias=bias,
                                                     chunk_tokens=ce_chunk_tokens, impl=model.cfg.ce_impl, mean=mean,
                                                     weight_compute=model.head_weight_copy())
-        return total, counted, aux.expert_counts
+        return total, counted, aux.router_stats
     logits, aux = model.forward(batch["inputs"], **extra)
     terms, counted = token_cross_entropy_terms(logits, batch["targets"], mask)
     total, counted = terms.sum(), counted.sum()
-    return (total / jnp.maximum(counted, 1.0) if mean else total), counted, aux.expert_counts
+    return (total / jnp.maximum(counted, 1.0) if mean else total), counted, aux.router_stats
 
 
-def make_loss_fn(graphdef, reset_at_documents: bool, *, ce_chunk_tokens: int | None = None):
+def training_model(graphdef, params, model_state, balance_tokens: bool):
+    """The model as the train step runs it: with balance_tokens, every router gives its experts equal shares of the
+    forward's tokens (model/router.py), which the bias controller then folds into the biases."""
+    model = nnx.merge(graphdef, params, model_state)
+    model.set_attributes(balance_tokens=balance_tokens)
+    return model
+
+
+def make_loss_fn(graphdef, reset_at_documents: bool, *, ce_chunk_tokens: int | None = None,
+                 balance_tokens: bool = True):
     def loss_fn(params, model_state, batch):
-        mean, _, counts = loss_sums(nnx.merge(graphdef, params, model_state), batch, reset_at_documents,
-                                    ce_chunk_tokens, mean=True)
+        model = training_model(graphdef, params, model_state, balance_tokens)
+        mean, _, counts = loss_sums(model, batch, reset_at_documents, ce_chunk_tokens, mean=True)
         return mean, counts
     return loss_fn
 
 
 def make_local_loss_sums(graphdef, reset_at_documents: bool, cp: ContextParallel | None = None,
-                         ce_chunk_tokens: int | None = None):
+                         ce_chunk_tokens: int | None = None, balance_tokens: bool = True):
     """make_loss_fn's loss as per-device sums, for data/context parallelism in shard_map
     (zaya_jax/parallel/data_parallel.py): (sum of token losses, counted tokens, expert counts) of this device's
     rows; with cp, of its zigzag share of their tokens (zaya_jax/parallel/context.py; full logits there)."""
 
     def local_sums(params, model_state, batch):
-        model = nnx.merge(graphdef, params, model_state)
+        model = training_model(graphdef, params, model_state, balance_tokens)
         if cp is None:
             return loss_sums(model, batch, reset_at_documents, ce_chunk_tokens)
         extra = model_inputs(batch, reset_at_documents)
         logits, aux = cp.local_forward(model, batch["inputs"], extra.get("positions"), extra.get("segment_ids"))
         batch = {k: cp.rows(v) for k, v in batch.items()}
         terms, counted = token_cross_entropy_terms(logits, batch["targets"], loss_mask(batch, reset_at_documents))
-        return terms.sum(), counted.sum(), aux.expert_counts
+        return terms.sum(), counted.sum(), aux.router_stats
 
     return local_sums
 
@@ -133,8 +142,9 @@ def make_accumulating_train_step(graphdef, tx: optax.GradientTransformation, bal
     the fp32 sum after the pass, so the table's gradient is the head GEMM alone, added to the sum in place
     (model/embedding_tap.py: the same terms in another order).
 
-    Metrics: loss and the load figures are means over the microbatches (each microbatch's loss is its token mean,
-    its load figures the extremes over layers); grad_norm is the norm of the mean gradient the optimizer gets."""
+    Metrics: loss and the per-layer routing figures (`routing/NAME`, [L]: optim/balancing.py RoutingHealth) are means
+    over the microbatches (each microbatch's loss is its token mean); grad_norm is the norm of the mean gradient the
+    optimizer gets."""
     if grads_per_pass < 1:
         raise ValueError(f"grads_per_pass={grads_per_pass} must be >= 1")
     custom_grad_fn = grad_fn is not None
@@ -142,15 +152,14 @@ def make_accumulating_train_step(graphdef, tx: optax.GradientTransformation, bal
         raise ValueError("defer_expert_wgrad needs the per-layer view in the compute dtype (per_layer_view and "
                          "compute_dtype, unrolled layers) and the default gradient function (not a data/context "
                          "parallel grad_fn)")
-    grad_fn = grad_fn or jax.value_and_grad(make_loss_fn(graphdef, reset_at_documents,
-                                                         ce_chunk_tokens=ce_chunk_tokens), has_aux=True)
+    grad_fn = grad_fn or jax.value_and_grad(make_loss_fn(graphdef, reset_at_documents, ce_chunk_tokens=ce_chunk_tokens,
+                                                         balance_tokens=balancer.learning_rate > 0), has_aux=True)
 
     def microbatch(params, model_state, balancer_state, batch):
-        """Gradient of one microbatch, then the bias controller on its expert counts."""
-        (loss, counts), grads = grad_fn(params, model_state, batch)
-        biases, balancer_state, load = update_biases(get_biases(model_state), balancer_state, counts, balancer)
-        metrics = {"loss": loss, "max_load": jnp.max(load.max_load), "min_load": jnp.min(load.min_load),
-                   "skip_fraction": jnp.max(load.skip_fraction)}
+        """Gradient of one microbatch, then the bias controller on its routing statistics."""
+        (loss, stats), grads = grad_fn(params, model_state, batch)
+        biases, balancer_state, health = update_biases(get_biases(model_state), balancer_state, stats, balancer)
+        metrics = {"loss": loss, **{f"routing/{name}": v for name, v in health._asdict().items()}}
         return grads, with_biases(model_state, biases), balancer_state, metrics
 
     def train_step(state: dict[str, Any], batches: dict[str, jax.Array]):
@@ -197,7 +206,8 @@ def make_accumulating_train_step(graphdef, tx: optax.GradientTransformation, bal
             (total, model_state, balancer_state), per_micro = jax.lax.scan(
                 body, (zeros, state["model_state"], state["balancer"]), groups)
             grads = jax.tree.map(lambda t, p: (t / k).astype(p.dtype), stack_layer_slices(total), params)
-            metrics = jax.tree.map(jnp.mean, per_micro)
+            # [k // m, m, ...] -> the mean over the k microbatches; per-layer figures stay [L]
+            metrics = jax.tree.map(lambda v: v.reshape((k,) + v.shape[2:]).mean(0), per_micro)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates),
                      "opt_state": opt_state, "model_state": model_state, "balancer": balancer_state}
