@@ -1,22 +1,23 @@
-"""The PID-inspired balancing-bias controller: the rule against an independent NumPy implementation, its
-invariants (skip frozen, zero mean, idle layers untouched), identical results on every data-parallel rank, a
-checkpoint round trip, and a toy MoE trained with a deliberately skewed router with and without the controller."""
+"""Expert balancing: the per-forward balancing solve on fresh random router scores (collapsed, nearly uniform,
+padded), the controller's rule and invariants (skip frozen, mean kept, idle layers untouched, learning rate 0 = off),
+identical biases on every data-parallel rank, the routing-health figures, and the default trainer at the tiny preset
+keeping every layer's experts balanced from step 20 on (it collapsed to one expert per layer before the solve)."""
 
-import functools
+import json
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
-from flax import nnx
 from jax.sharding import AxisType, PartitionSpec as P
 
-from zaya_jax.config import tiny
-from zaya_jax.model.base import BalancingBias
-from zaya_jax.model.layer import MoE
-from zaya_jax.optim.balancing import (BalancerConfig, init_balancer, initial_biases, load_metrics, psum_counts,
+from configs.default import get_config
+from zaya_jax.config import preset
+from zaya_jax.model import routing_stats
+from zaya_jax.optim.balancing import (BalancerConfig, init_balancer, initial_biases, psum_stats, routing_health,
                                       update_biases)
+from zaya_jax.train.loop import run
 
 
 def fresh_rng():
@@ -24,96 +25,103 @@ def fresh_rng():
     return np.random.default_rng(seed), seed
 
 
-def controller_numpy(biases, counts_seq, cfg):
-    """The rule of spec section 6, written out per layer in float64 NumPy."""
-    b = np.array(biases, np.float64)
-    L, E = b.shape[0], b.shape[1] - 1
-    mu, nu, prev, t = np.zeros((L, E)), np.zeros((L, E)), np.zeros((L, E)), np.zeros(L)
-    for counts in counts_seq:
-        for l in range(L):
-            c = np.asarray(counts[l, :E], np.float64)
-            if c.sum() == 0:
-                continue
-            err = c / c.sum() - 1.0 / E
-            g = cfg.k_p * err + cfg.k_d * (err - prev[l])
-            t[l] += 1
-            mu[l] = cfg.b1 * mu[l] + (1 - cfg.b1) * g
-            nu[l] = cfg.b2 * nu[l] + (1 - cfg.b2) * g * g
-            step = (mu[l] / (1 - cfg.b1 ** t[l])) / (np.sqrt(nu[l] / (1 - cfg.b2 ** t[l])) + cfg.eps)
-            b[l, :E] -= cfg.learning_rate * (step - step.mean())  # the mean of the biases never moves
-            prev[l] = err
-    return b
+def loads(scores, delta, valid=None):
+    index = np.argmax(np.asarray(scores) + np.asarray(delta), -1)
+    if valid is not None:
+        index = index[np.asarray(valid)]
+    counts = np.bincount(index, minlength=scores.shape[1])
+    return counts / counts.sum() * scores.shape[1]
 
 
-def test_matches_numpy_rule_with_derivative_term():
+@pytest.mark.parametrize("case", ["collapsed", "nearly_uniform", "padded"])
+def test_solve_gives_every_expert_an_equal_share(case):
+    """At initialisation the probabilities differ between tokens by ~1e-5 while one expert leads every token
+    (`collapsed`): no fixed bias step balances that; the solve does, in the scores' own units."""
     rng, seed = fresh_rng()
-    cfg = BalancerConfig(learning_rate=2e-3, k_d=0.5)
-    L, E = 3, 8
-    counts_seq = [np.concatenate([rng.integers(0, 200, (L, E)), np.zeros((L, 1), int)], -1) for _ in range(6)]
-    counts_seq[2][1, :] = 0  # a layer that saw no tokens in one microbatch
-    biases, state = initial_biases(L, E), init_balancer(L, E)
-    step = jax.jit(functools.partial(update_biases, cfg=cfg))
-    for counts in counts_seq:
-        biases, state, _ = step(biases, state, jnp.asarray(counts))
-    np.testing.assert_allclose(biases, controller_numpy(initial_biases(L, E), counts_seq, cfg), rtol=1e-5,
-                               atol=1e-7, err_msg=f"seed {seed}")
-    assert biases.dtype == jnp.float32 and state.count.tolist() == [6, 5, 6]
+    n, e = routing_stats.SOLVE_TOKENS, 8
+    offset, spread = {"collapsed": (1e-3, 1e-5), "nearly_uniform": (0.0, 1e-4), "padded": (3e-4, 1e-4)}[case]
+    scores = jnp.asarray(1 / 9 + rng.normal(size=e) * offset + rng.normal(size=(n, e)) * spread, jnp.float32)
+    valid = jnp.asarray(rng.random(n) < 0.7) if case == "padded" else jnp.ones(n, bool)
+    assert loads(scores, 0.0, valid).max() > 2 or case == "nearly_uniform", f"seed {seed}"
+    delta = jax.jit(routing_stats.balancing_correction)(scores, valid)
+    share = loads(scores, delta, valid)
+    assert share.max() <= 1.1 and share.min() >= 0.9, (share, f"seed {seed}")
+    assert abs(float(delta.sum())) < 1e-6
 
 
-def test_invariants_of_one_update():
+def test_solve_leaves_too_few_tokens_alone():
+    assert np.all(np.asarray(routing_stats.balancing_correction(jnp.ones((3, 8)), jnp.ones(3, bool))) == 0)
+
+
+def stats_of(counts, correction):
+    """Statistics vectors [L, 4E+6] holding the given counts [L, E+1] and corrections [L, E] (one rank)."""
+    counts = jnp.asarray(counts, jnp.float32)
+    zeros = jnp.zeros_like(counts)
+    one = jnp.ones(counts.shape[:-1] + (1,))
+    return jnp.concatenate([counts, zeros, zeros, one * 0, one * 0, jnp.asarray(correction, jnp.float32), one], -1)
+
+
+def test_update_folds_the_correction_in_and_keeps_the_invariants():
     counts = jnp.array([[500, 100, 100, 100, 0], [0, 0, 0, 0, 0]], jnp.float32)  # layer 1 saw no tokens
+    correction = jnp.array([[-0.3, 0.1, 0.1, 0.1], [0.2, -0.2, 0.1, -0.1]])
     before = jnp.array([[0.4, -0.1, -0.1, -0.1, -0.7], [0.05, -0.05, 0.0, 0.0, -1.0]])
-    after, state, metrics = update_biases(before, init_balancer(2, 4), counts, BalancerConfig(learning_rate=0.01))
+    after, state, health = update_biases(before, init_balancer(2, 4), stats_of(counts, correction),
+                                         BalancerConfig(learning_rate=0.5))
+    np.testing.assert_allclose(after[0, :4], before[0, :4] + 0.5 * correction[0], rtol=1e-6)
     assert after[0, -1] == -0.7  # skip bias frozen at what the checkpoint holds
     assert abs(float(after[0, :4].mean() - before[0, :4].mean())) < 1e-7  # the mean (an offset) is kept
-    step = (after[0, :4] - after[0, :4].mean()) - (before[0, :4] - before[0, :4].mean())
-    # Adam's first step is lr * sign(error) = [-0.01, 0.01, 0.01, 0.01], then re-centred.
-    np.testing.assert_allclose(step, [-0.015, 0.005, 0.005, 0.005], atol=1e-6)
     np.testing.assert_array_equal(after[1], before[1])  # idle layer untouched
-    zero_lr, _, _ = update_biases(before, init_balancer(2, 4), counts, BalancerConfig(learning_rate=0.0))
-    np.testing.assert_array_equal(zero_lr, before)  # a zero learning rate changes nothing
-    assert int(state.count[1]) == 0
-    np.testing.assert_allclose(metrics.max_load, [2.5, 0.0])
-    np.testing.assert_allclose(metrics.min_load[0], 0.5)
-    np.testing.assert_allclose(metrics.max_min_ratio[0], 5.0)
+    assert state.count.tolist() == [1, 0]
+    off, _, _ = update_biases(before, init_balancer(2, 4), stats_of(counts, correction),
+                              BalancerConfig(learning_rate=0.0))
+    np.testing.assert_array_equal(off, before)  # learning rate 0: the controller is off
+    np.testing.assert_allclose(health.max_load, [2.5, 0.0])
+    np.testing.assert_allclose(health.min_load[0], 0.5)
+    assert health.dead_experts.tolist() == [0.0, 4.0]
 
 
-def test_load_metrics_flag_an_empty_expert_and_skip_tokens():
-    m = load_metrics(jnp.array([[5, 5, 0, 2]]))
-    assert float(m.max_min_ratio[0]) == np.inf
-    np.testing.assert_allclose(m.skip_fraction, [2 / 12])
+def test_routing_health_from_a_forward():
+    rng, seed = fresh_rng()
+    probs = jax.nn.softmax(jnp.asarray(rng.normal(size=(2, 64, 5)) * 3, jnp.float32), -1)
+    index = jnp.argmax(probs, -1)
+    mask = jnp.asarray(rng.random((2, 64)) < 0.8)
+    stats = routing_stats.token_sums(probs, index, jnp.zeros(4), mask)[None]
+    h = routing_health(stats)
+    p, i = np.asarray(probs)[np.asarray(mask)], np.asarray(index)[np.asarray(mask)]
+    np.testing.assert_allclose(h.top1_prob, [p.max(-1).mean()], rtol=1e-5, err_msg=f"seed {seed}")
+    np.testing.assert_allclose(h.entropy, [-(p * np.log(p)).sum(-1).mean()], rtol=1e-5)
+    np.testing.assert_allclose(h.skip_fraction, [(i == 4).mean()], rtol=1e-6)
+    share = np.bincount(i[i < 4], minlength=4) / max((i < 4).sum(), 1) * 4
+    np.testing.assert_allclose(h.max_load, [share.max()], rtol=1e-6)
 
 
 def test_identical_on_every_data_parallel_rank():
-    """Each of 8 ranks sees different local counts; after psum every rank computes the same biases, equal to one
-    update on the summed counts."""
+    """Each of 8 ranks solves on its own tokens; after the psum every rank holds the same biases: the mean of the
+    ranks' corrections folded in."""
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
     rng, seed = fresh_rng()
     L, E = 2, 4
-    counts = rng.integers(0, 50, (8, L, E))
-    # An expert at exactly the mean load has error 0, whose sign Adam's first step (~ lr * sign) amplifies from the
-    # last ulp of error = load / total - 1/E: XLA's jit and eager division may round it differently. Avoid ties.
-    while (counts.sum(0) * E == counts.sum((0, 2))[:, None]).any():
-        counts[0, 0, 0] += 1
-    local = jnp.asarray(np.concatenate([counts, np.zeros((8, L, 1), int)], -1), jnp.float32)
+    counts = np.concatenate([rng.integers(1, 50, (8, L, E)), np.zeros((8, L, 1), int)], -1)
+    corrections = rng.normal(size=(8, L, E)) * 1e-3
+    local = jnp.stack([stats_of(counts[r], corrections[r]) for r in range(8)])
     biases, state = initial_biases(L, E), init_balancer(L, E)
 
-    def per_rank(local_counts, biases, state):
-        new, _, _ = update_biases(biases, state, psum_counts(local_counts[0], "data"))
+    def per_rank(local_stats, biases, state):
+        new, _, _ = update_biases(biases, state, psum_stats(local_stats[0], "data"))
         return new[None]
 
     fn = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(P("data"), P(), P()), out_specs=P("data")))
     per_rank_biases = fn(local, biases, state)
-    want, _, _ = update_biases(biases, state, local.sum(0))
     for r in range(8):
         np.testing.assert_array_equal(per_rank_biases[r], per_rank_biases[0])
-    np.testing.assert_allclose(per_rank_biases[0], want, rtol=1e-6, err_msg=f"seed {seed}")
+    np.testing.assert_allclose(per_rank_biases[0, :, :E], corrections.mean(0), rtol=1e-5, atol=1e-9,
+                               err_msg=f"seed {seed}")
 
 
 def test_state_checkpoints_with_orbax(tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint")
-    counts = jnp.array([[30.0, 10.0, 5.0, 0.0]])
-    _, state, _ = update_biases(initial_biases(1, 3), init_balancer(1, 3), counts)
+    _, state, _ = update_biases(initial_biases(1, 3), init_balancer(1, 3), stats_of([[30.0, 10.0, 5.0, 0.0]],
+                                                                                     [[0.1, 0.0, -0.1]]))
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(tmp_path / "balancer", state)
         ckpt.wait_until_finished()
@@ -122,96 +130,32 @@ def test_state_checkpoints_with_orbax(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
-# ---- toy MoE: the real ZAYA1 router + experts, a deliberately skewed router, a few hundred steps ----------------
-
-E, D, R = 8, 32, 16
-TOY = tiny(hidden_size=D, moe_intermediate_size=32, router_hidden_size=R, num_experts=E, dtype="float32",
-           moe_impl="dense")
-# Tuned for a 300-step horizon against a router that keeps learning (see the test's docstring).
-TOY_CONTROLLER = BalancerConfig(learning_rate=5e-3, b1=0.9, b2=0.9)
-
-
-def _teacher_batch(key, n):
-    k1, k2 = jax.random.split(jax.random.key(1234))
-    w1 = jax.random.normal(k1, (D, 64)) / D**0.5
-    w2 = jax.random.normal(k2, (64, D)) / 8
-    x = jax.random.normal(key, (1, n, D))
-    x = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True))
-    return x, 3 * jnp.tanh(x @ w1) @ w2
+def tiny_run_rows(workdir, learning_rate):
+    c = get_config()  # the default run: tiny preset, built-in corpus, 16 x 128 tokens per step
+    c.train.update(dict(steps=30, log_every=1, eval_every=0, checkpoint_every=1000))
+    c.balancing.learning_rate = learning_rate
+    c.mesh.num_devices = 1  # as ./run.sh runs it on a fresh machine (one CPU device)
+    run(c, workdir, log=lambda *_: None)
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if "loss" in r]
 
 
-def _router_features(gate, x):
-    from zaya_jax.ops.rmsnorm import rms_norm_reference
-    z = rms_norm_reference(gate.down_proj(x, jnp.float32), gate.router_mlp.norm.weight[...], 1e-5, jnp.float32)
-    z = jax.nn.gelu(gate.router_mlp.fc1(z, jnp.float32), approximate=False)
-    return jax.nn.gelu(gate.router_mlp.fc2(z, jnp.float32), approximate=False)
+def per_layer(row, figure):
+    return [v for k, v in sorted(row.items()) if k.startswith(f"routing/{figure}/layer_")]
 
 
-def _skewed_moe(seed):
-    """Router layers at unit-variance init (so probabilities differ between tokens), then out_proj row 0 pushed
-    along the mean router feature: at step 0 about 90% of tokens pick expert 0."""
-    moe = MoE(TOY, nnx.Rngs(seed))
-    gate = moe.gate
-    keys = iter(jax.random.split(jax.random.key(seed + 100), 4))
-    for layer, fan_in in ((gate.down_proj, D), (gate.router_mlp.fc1, R), (gate.router_mlp.fc2, R),
-                          (gate.router_mlp.out_proj, R)):
-        layer.weight[...] = jax.random.normal(next(keys), layer.weight.shape) / fan_in**0.5
-    mean_feature = _router_features(gate, _teacher_batch(jax.random.key(seed + 200), 4096)[0]).mean((0, 1))
-    out = gate.router_mlp.out_proj.weight
-    out[...] = out[...].at[0].add(3.0 * mean_feature / jnp.sum(mean_feature**2))
-    return moe
-
-
-def _trainer(graphdef, rest, *, steps=300, tokens=1024):
-    """Experts and an output scale learn at 1e-2, the router at 1e-4 (it keeps drifting while being balanced)."""
-    labels = lambda p: jax.tree_util.tree_map_with_path(
-        lambda kp, _: "router" if "gate" in jax.tree_util.keystr(kp) else "rest", p)
-    tx = optax.partition({"router": optax.adam(1e-4), "rest": optax.adam(1e-2)}, labels)
-
-    def forward(params, biases, x):
-        moe = nnx.merge(graphdef, params["moe"], biases, rest)
-        out, _, counts = moe(x, jnp.zeros(x.shape[:2] + (R,)), jnp.ones((R,)))
-        return out * params["out_scale"], counts
-
-    @jax.jit
-    def train(moe_params, biases, key, balance):  # balance: a traced bool, so both runs share one compilation
-        def step(carry, key):
-            params, opt_state, biases, ctrl = carry
-            x, y = _teacher_batch(key, tokens)
-            loss_fn = lambda p: (lambda out, c: (jnp.mean((out - y) ** 2), c))(*forward(p, biases, x))
-            (loss, counts), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
-            # Outside autodiff, once per microbatch, on the counts the forward returned.
-            old = biases["gate"]["balancing_biases"][...]
-            new, ctrl, _ = update_biases(old[None], ctrl, counts[None], TOY_CONTROLLER)
-            biases = jax.tree.map(lambda _: jnp.where(balance, new[0], old), biases)
-            return (params, opt_state, biases, ctrl), (loss, counts)
-
-        params = {"moe": moe_params, "out_scale": jnp.ones((D,))}
-        carry = (params, tx.init(params), biases, init_balancer(1, E))
-        (_, _, biases, _), (losses, counts) = jax.lax.scan(step, carry, jax.random.split(key, steps))
-        return losses, counts, biases["gate"]["balancing_biases"][...]
-
-    return train
-
-
-def test_controller_balances_a_skewed_router_that_stays_skewed_without_it():
-    """Load = tokens per expert over the last 50 microbatches (51k tokens); the bias state itself dithers by a few
-    controller steps around balance. The controller uses lr 5e-3 and b2 = 0.9 instead of the spec's suggested
-    1e-3 and 0.999: with b2 = 0.999 Adam's second moment remembers the deliberately huge initial error for ~1000
-    steps, the later steps shrink ~10x, and the controller cannot keep up with the learning router inside 300
-    steps (measured: load ratio 1.6-2.0)."""
-    graphdef, params, biases, rest = nnx.split(_skewed_moe(seed=1), nnx.Param, BalancingBias, ...)
-    train = _trainer(graphdef, rest)
-    runs = {b: train(params, biases, jax.random.key(7), b) for b in (False, True)}
-    for balance, (losses, counts, final_biases) in runs.items():
-        assert int(counts[:, -1].sum()) == 0, "the skip class was selected"
-        assert float(losses[-20:].mean()) < 0.8 * float(losses[:5].mean()), "the toy model did not train"
-    first = load_metrics(runs[False][1][:1]).max_min_ratio[0]
-    assert first > 20  # deliberately skewed at step 0
-    late_load = lambda counts: float(load_metrics(counts[-50:].sum(0, keepdims=True)).max_min_ratio[0])
-    assert late_load(runs[True][1]) <= 1.2, late_load(runs[True][1])
-    assert late_load(runs[False][1]) > 10, late_load(runs[False][1])
-    final = runs[True][2]
-    assert float(final[-1]) == -1.0 and abs(float(final[:-1].mean())) < 1e-6
+def test_default_run_keeps_every_layer_balanced(tmp_path, capsys):
+    """The must-have of a MoE run: from step 20 on, every layer's busiest expert gets at most 1.5x and its idlest
+    at least 0.5x a uniform share (the controller before this rule: 8.0 and 0.0, one expert per layer)."""
+    rows = tiny_run_rows(str(tmp_path / "run"), 1.0)
+    assert len(per_layer(rows[0], "max_load")) == preset("tiny").num_hidden_layers
+    for row in rows[19:]:
+        assert max(per_layer(row, "max_load")) <= 1.5, row
+        assert min(per_layer(row, "min_load")) >= 0.5, row
+        assert max(per_layer(row, "skip_fraction")) == 0.0
+    assert rows[-1]["loss"] < rows[0]["loss"] - 2.0
+    from launch import routing  # the per-layer table of the run's last logged step
+    routing.main([str(tmp_path / "run")])
+    table = capsys.readouterr().out.splitlines()
+    assert table[0] == "step 30" and table[1].split()[:3] == ["layer", "max_load", "min_load"]
+    assert len(table) == 2 + preset("tiny").num_hidden_layers

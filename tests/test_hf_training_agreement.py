@@ -86,7 +86,8 @@ def optax_adamw():
 
 def our_training(model_dir, batches):
     """Our real train step (make_train_step, optax.adamw) from the exported weights: per-step losses, expert
-    shares [STEPS, L, E] (the controller's recorded load error + 1/E) and largest skip share, the final state."""
+    shares [STEPS, L, E] (from the forward's routing statistics at the step's parameters) and largest skip share, the
+    final state."""
     model = zaya_jax.from_hf(model_dir, dtype=jnp.float32, moe_impl="ragged")
     graphdef, params, model_state = nnx.split(model, nnx.Param, BalancingBias)
     tx = optax_adamw()
@@ -95,16 +96,18 @@ def our_training(model_dir, batches):
              "model_state": nnx.to_pure_dict(model_state),
              "balancer": init_balancer(CFG.num_hidden_layers, CFG.num_experts)}
     step_fn = jax.jit(make_train_step(graphdef, tx, BalancerConfig(learning_rate=0.0, skip_bias=SKIP_BIAS)))
+    counts_of = jax.jit(lambda p, m, ids: nnx.merge(graphdef, p, m).forward(ids)[1].expert_counts)
     losses, fractions, skip = [], [], []
     for step in range(STEPS):
         ids = batches[step % len(batches)]
         batch = {"inputs": ids[:, :-1], "targets": ids[:, 1:], "loss_mask": np.ones((ROWS, SEQ), np.float32),
                  "source_ids": np.zeros((ROWS,), np.int32)}
+        counts = np.asarray(counts_of(state["params"], state["model_state"], jnp.asarray(batch["inputs"])))
         state, metrics = step_fn(state, jax.tree.map(jnp.asarray, batch))
         losses.append(float(metrics["loss"]))
-        skip.append(float(metrics["skip_fraction"]))  # largest share of tokens any layer sent to the skip class
-        # prev_error = expert share of this step's tokens - 1/E (skip class excluded)
-        fractions.append(np.asarray(state["balancer"].prev_error) + 1.0 / CFG.num_experts)
+        skip.append(float(np.max(metrics["routing/skip_fraction"])))  # largest share any layer sent to the skip class
+        experts = counts[:, :-1]  # expert share of this step's tokens (skip class excluded)
+        fractions.append(experts / np.maximum(experts.sum(-1, keepdims=True), 1))
     return {"losses": np.asarray(losses), "fractions": np.stack(fractions), "skip": np.asarray(skip),
             "state": state, "graphdef": graphdef}
 

@@ -39,6 +39,8 @@ from zaya_jax.train.step import (
 
 K, ROWS, SEQ = 3, 4, 32
 # A large controller step, so that routing with stale biases would visibly change the later microbatches' gradients.
+# The routers select with the biases alone (no per-microbatch solve, which balances from any biases): the
+# controller's effect between microbatches stays visible.
 BALANCER = BalancerConfig(learning_rate=0.05)
 OPTIM = OptimizerConfig(learning_rate=1e-2, schedule="constant", muon_ns_dtype="float32")
 
@@ -71,8 +73,9 @@ def accumulating_setup(cfg, devices: int, *, wrap_tx=lambda tx: tx, **step_kwarg
     graphdef, state = init_state(cfg, tx, 0, lambda s: state_shardings(s, mesh, zero1=devices > 1))
     grad_fn = None
     if devices > 1:
-        grad_fn = sharded_value_and_grad(make_local_loss_sums(graphdef, False), mesh, zero1_spec_fn(mesh))
-    step = make_accumulating_train_step(graphdef, tx, BALANCER, grad_fn=grad_fn, **step_kwargs)
+        grad_fn = sharded_value_and_grad(make_local_loss_sums(graphdef, False, balance_tokens=False), mesh,
+                                         zero1_spec_fn(mesh))
+    step = make_accumulating_train_step(graphdef, tx, BALANCER, grad_fn=grad_fn, balance_tokens=False, **step_kwargs)
     return graphdef, state, step, mesh
 
 
@@ -93,7 +96,7 @@ def reference_fns(graphdef):
     """(gradient of one microbatch, optimizer update), jitted once for both reference steps: one device, plain
     optax (an eager Muon update would dispatch and compile op by op)."""
     tx = build_optimizer(OPTIM, log=None)
-    return (jax.jit(jax.value_and_grad(make_loss_fn(graphdef, False), has_aux=True)),
+    return (jax.jit(jax.value_and_grad(make_loss_fn(graphdef, False, balance_tokens=False), has_aux=True)),
             jax.jit(lambda grads, opt_state, params: tx.update(grads, opt_state, params)))
 
 

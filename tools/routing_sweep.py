@@ -15,6 +15,15 @@ import sys
 import tempfile
 
 
+def parse_value(text: str):
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return {"True": True, "False": False}.get(text, text)
+
+
 def parse_variant(text: str) -> tuple[str, dict]:
     name, _, spec = text.partition(":")
     values = {}
@@ -52,7 +61,7 @@ def main(argv=None):
             *parents, leaf = key.split(".")
             for p in parents:
                 node = node[p]
-            node[leaf] = type(node[leaf])(value) if not isinstance(node[leaf], bool) else value == "True"
+            node[leaf] = parse_value(value)
         for key, value in values.items():
             config.balancing[key] = value
         with tempfile.TemporaryDirectory() as workdir:

@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 
@@ -36,10 +37,10 @@ class RoutingStats(NamedTuple):
 
 # Jacobi rounds of the balancing solve and the share of each round's step taken: converges to within a token or two
 # of equal counts from a fully collapsed router as well as from a nearly uniform one (tests/test_balancing.py).
-# The solve reads every stride-th token, at most SOLVE_TOKENS of them (its sorts would otherwise cost a sizeable
-# part of an expert layer): each expert's share of the forward is then off by the sampling error of SOLVE_TOKENS / E
-# tokens, a few percent.
-SOLVE_ROUNDS = 10
+# The solve reads at most SOLVE_TOKENS tokens, a fixed random subset (its sorts would otherwise cost a sizeable part
+# of an expert layer; a regular stride aliases with periodic text such as indented code): each expert's share of the
+# forward is then off by the sampling error of SOLVE_TOKENS / E tokens, about 1 / sqrt(that).
+SOLVE_ROUNDS = 16
 SOLVE_TOKENS = 2048
 SOLVE_DAMPING = 0.7
 CORRECTION_NAME = "balancing_correction"  # its checkpoint_name: remat policies keep it (model/zaya.py)
@@ -53,8 +54,9 @@ def balancing_correction(scores, valid):
     Each round sets every expert's delta so that exactly N/E tokens prefer it to their best other expert (the
     midpoint of its N/E-th and next-largest margins), all experts at once, damped; the margins are measured in
     the scores' own units, so the solve needs no step size whatever the spread of the probabilities."""
-    stride = max(1, scores.shape[0] // SOLVE_TOKENS)
-    scores, valid = scores[::stride], valid[::stride]
+    if scores.shape[0] > SOLVE_TOKENS:
+        subset = np.sort(np.random.default_rng(scores.shape[0]).choice(scores.shape[0], SOLVE_TOKENS, replace=False))
+        scores, valid = scores[subset], valid[subset]
     n, num_experts = scores.shape
     k = jnp.clip(valid.sum() // num_experts, 1, n - 1)
     experts = jnp.arange(num_experts)
@@ -72,7 +74,8 @@ def balancing_correction(scores, valid):
         delta = delta - SOLVE_DAMPING * middle
         return delta - delta.mean(), None
 
-    delta, _ = jax.lax.scan(round_, jnp.zeros((num_experts,), jnp.float32), None, length=SOLVE_ROUNDS)
+    # the carry starts from the scores (not a constant) so that inside shard_map it varies over the same axes
+    delta, _ = jax.lax.scan(round_, jnp.zeros_like(scores[0]), None, length=SOLVE_ROUNDS)
     return checkpoint_name(jnp.where(valid.sum() >= num_experts, delta, 0.0), CORRECTION_NAME)
 
 

@@ -121,7 +121,8 @@ def _group_size(k: int, wanted: int) -> int:
 def make_accumulating_train_step(graphdef, tx: optax.GradientTransformation, balancer: BalancerConfig, *,
                                  reset_at_documents: bool = False, ce_chunk_tokens: int | None = None, grad_fn=None,
                                  compute_dtype=None, per_layer_view: bool = False, grads_per_pass: int = 1,
-                                 defer_expert_wgrad: bool = False, embedding_rows_tap: bool = True):
+                                 defer_expert_wgrad: bool = False, embedding_rows_tap: bool = True,
+                                 balance_tokens: bool | None = None):
     """train_step(state, batches) -> (state, metrics): one optimizer step over the k microbatches of `batches`
     (every field [k, rows, ...]; k is static, so each k compiles its own program). grad_fn(params, model_state,
     batch) -> ((loss, expert counts), grads) replaces value_and_grad of the model loss (data/context parallelism in
@@ -138,6 +139,8 @@ def make_accumulating_train_step(graphdef, tx: optax.GradientTransformation, bal
     defer_expert_wgrad (with per_layer_view, the default grad_fn and moe_impl 'pallas'): the expert weights' gradients
     of a group's microbatches are formed after it, added to the fp32 sum by one kernel per weight
     (model/deferred_wgrad.py: the same sum without their per-microbatch rounding to the compute dtype).
+    balance_tokens (with the default grad_fn; default: the controller is on): routers select with the
+    per-microbatch balancing correction (model/router.py).
     embedding_rows_tap (with the default grad_fn): the embedding lookup's gradient comes out as rows, scattered into
     the fp32 sum after the pass, so the table's gradient is the head GEMM alone, added to the sum in place
     (model/embedding_tap.py: the same terms in another order).
@@ -152,8 +155,10 @@ def make_accumulating_train_step(graphdef, tx: optax.GradientTransformation, bal
         raise ValueError("defer_expert_wgrad needs the per-layer view in the compute dtype (per_layer_view and "
                          "compute_dtype, unrolled layers) and the default gradient function (not a data/context "
                          "parallel grad_fn)")
+    # the routers balance each microbatch whenever the controller is on (model/router.py); False: the biases alone
+    balancing_in_microbatch = balancer.learning_rate > 0 if balance_tokens is None else balance_tokens
     grad_fn = grad_fn or jax.value_and_grad(make_loss_fn(graphdef, reset_at_documents, ce_chunk_tokens=ce_chunk_tokens,
-                                                         balance_tokens=balancer.learning_rate > 0), has_aux=True)
+                                                         balance_tokens=balancing_in_microbatch), has_aux=True)
 
     def microbatch(params, model_state, balancer_state, batch):
         """Gradient of one microbatch, then the bias controller on its routing statistics."""
