@@ -42,6 +42,7 @@ K, ROWS, SEQ = 3, 4, 32
 # The routers select with the biases alone (no per-microbatch solve, which balances from any biases): the
 # controller's effect between microbatches stays visible.
 BALANCER = BalancerConfig(learning_rate=0.05)
+OFF = BalancerConfig(learning_rate=0.0)  # the controller off: what other files compare accumulating programs with
 OPTIM = OptimizerConfig(learning_rate=1e-2, schedule="constant", muon_ns_dtype="float32")
 
 
@@ -64,7 +65,7 @@ def counting(tx, calls):
     return optax.GradientTransformation(tx.init, update)
 
 
-def accumulating_setup(cfg, devices: int, *, wrap_tx=lambda tx: tx, **step_kwargs):
+def accumulating_setup(cfg, devices: int, *, wrap_tx=lambda tx: tx, balancer=OFF, **step_kwargs):
     """(graphdef, initial state, accumulating step, mesh) for one device (value_and_grad) or `devices` emulated ones
     (the trainer's shard_map gradients, ZeRO-1 optimizer state); wrap_tx wraps the (ZeRO-1) optimizer."""
     mesh = make_mesh(num_devices=devices)
@@ -75,17 +76,19 @@ def accumulating_setup(cfg, devices: int, *, wrap_tx=lambda tx: tx, **step_kwarg
     if devices > 1:
         grad_fn = sharded_value_and_grad(make_local_loss_sums(graphdef, False, balance_tokens=False), mesh,
                                          zero1_spec_fn(mesh))
-    step = make_accumulating_train_step(graphdef, tx, BALANCER, grad_fn=grad_fn, balance_tokens=False, **step_kwargs)
+    step = make_accumulating_train_step(graphdef, tx, balancer, grad_fn=grad_fn, balance_tokens=False, **step_kwargs)
     return graphdef, state, step, mesh
 
 
-def accumulating_program(devices: int, calls: list, k: int = K, grads_per_pass: int = 1, unrolled: bool = False):
+def accumulating_program(devices: int, calls: list, k: int = K, grads_per_pass: int = 1, unrolled: bool = False,
+                         balancer=OFF):
     """(compiled step, initial state, stacked batches on the devices, graphdef) of accumulating_setup, the optimizer
     counting its updates into `calls`; unrolled: the layers unrolled, with the per-layer view
     (model/compute_view.py)."""
     cfg = model_config(scan_layers=not unrolled)
     graphdef, state, step, mesh = accumulating_setup(cfg, devices, wrap_tx=lambda tx: counting(tx, calls),
-                                                     grads_per_pass=grads_per_pass, per_layer_view=unrolled)
+                                                     grads_per_pass=grads_per_pass, per_layer_view=unrolled,
+                                                     balancer=balancer)
     batches = jax.device_put(stacked_batches(cfg, k=k), NamedSharding(mesh, P(None, "data")))
     out = (jax.tree.map(lambda x: x.sharding, state), NamedSharding(mesh, P()))
     compiled = jax.jit(step, donate_argnums=0, out_shardings=out).lower(state, batches).compile()
@@ -100,46 +103,49 @@ def reference_fns(graphdef):
             jax.jit(lambda grads, opt_state, params: tx.update(grads, opt_state, params)))
 
 
-def reference_step(fns, state, batches, *, refresh_biases=True):
+def reference_step(fns, state, batches, *, refresh_biases=True, balancer=BALANCER):
     """k separate gradient calls, the controller after each (or, refresh_biases=False, every microbatch routed
     with the step's initial biases), then one update with the mean gradient."""
     grad, update = fns
     state = jax.device_get(state)
     batches = jax.device_get(batches)
-    model_state, balancer, grads, losses = state["model_state"], state["balancer"], [], []
+    model_state, balancer_state, grads, losses = state["model_state"], state["balancer"], [], []
     k = len(batches["inputs"])
     for i in range(k):
         routed_with = model_state if refresh_biases else state["model_state"]
         (loss, counts), g = grad(state["params"], routed_with, {name: x[i] for name, x in batches.items()})
-        biases, balancer, _ = update_biases(get_biases(model_state), balancer, counts, BALANCER)
+        biases, balancer_state, _ = update_biases(get_biases(model_state), balancer_state, counts, balancer)
         model_state = with_biases(model_state, biases)
         grads.append(g)
         losses.append(loss)
     mean = jax.tree.map(lambda *g: sum(g) / k, *grads)
     updates, opt_state = update(mean, state["opt_state"], state["params"])
     new = {"step": state["step"] + 1, "params": optax.apply_updates(state["params"], updates),
-           "opt_state": opt_state, "model_state": model_state, "balancer": balancer}
+           "opt_state": opt_state, "model_state": model_state, "balancer": balancer_state}
     return new, {"loss": sum(losses) / k, "grad_norm": optax.tree.norm(mean)}
 
 
-# (devices, microbatches, their gradients per accumulation pass, unrolled layers with the per-layer view)
-PROGRAMS = {"one_device": (1, K, 1, False), "zero1_4_devices": (4, K, 1, False),
-            "one_device_grouped_per_layer": (1, 4, 2, True)}
+# (devices, microbatches, their gradients per accumulation pass, unrolled layers with the per-layer view, controller).
+# The controller's correction is a float solved from the probabilities (its mean over ranks on 4 devices, against
+# the reference's one solve): where another summation order moves it, a token near a tie can route differently, so
+# only the one-device program runs with the controller on.
+PROGRAMS = {"one_device": (1, K, 1, False, BALANCER), "zero1_4_devices": (4, K, 1, False, OFF),
+            "one_device_grouped_per_layer": (1, 4, 2, True, OFF)}
 
 
 @pytest.fixture(scope="module", params=list(PROGRAMS))
 def program(request):
     calls = []
-    devices, k, grads_per_pass, unrolled = PROGRAMS[request.param]
-    compiled, state, batches, graphdef = accumulating_program(devices, calls, k, grads_per_pass, unrolled)
+    devices, k, grads_per_pass, unrolled, balancer = PROGRAMS[request.param]
+    compiled, state, batches, graphdef = accumulating_program(devices, calls, k, grads_per_pass, unrolled, balancer)
     fns = reference_fns(graphdef)
-    want, want_metrics = reference_step(fns, state, batches)
-    stale, _ = reference_step(fns, state, batches, refresh_biases=False)
+    want, want_metrics = reference_step(fns, state, batches, balancer=balancer)
+    stale, _ = reference_step(fns, state, batches, refresh_biases=False, balancer=balancer)
     got, metrics = compiled(state, batches)  # donates `state`
     jax.effects_barrier()
     return {"compiled": compiled, "got": jax.device_get(got), "metrics": jax.device_get(metrics), "want": want,
             "want_metrics": want_metrics, "stale": stale, "calls": calls, "devices": devices,
-            "k": k, "grads_per_pass": grads_per_pass}
+            "k": k, "grads_per_pass": grads_per_pass, "balancer": balancer}
 
 
 def max_abs_diff(a, b):
@@ -161,7 +167,7 @@ def test_accumulated_step_equals_micro_gradients_averaged_then_one_update(progra
     assert np.all(np.asarray(got["balancer"].count) == program["k"])
     stale = max_abs_diff(program["stale"]["params"], want["params"])
     print(f"\nlargest parameter change from routing with stale biases: {stale:.2e}")
-    assert stale > 10 * atol
+    assert stale > 10 * atol or program["balancer"].learning_rate == 0
     assert len(program["calls"]) == 1  # one optimizer update for the k microbatches
 
 

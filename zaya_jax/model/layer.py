@@ -40,7 +40,8 @@ class DecoderLayer(nnx.Module):
         self.post_mlp_residual_scale = ResidualScaling(cfg)
 
     def __call__(self, h, router_state, **kw):
-        """h: fp32 residual [B,T,D]. Returns (h, router_state, routing statistics (model/routing_stats.py), CCA state at chunk end)."""
+        """h: fp32 residual [B,T,D]. Returns (h, router_state, routing statistics (model/routing_stats.py), CCA
+        state at chunk end)."""
         cfg = self.cfg
         x = norm_ops.rms_norm(h, self.input_layernorm.weight[...], cfg.rms_norm_eps, dtypes(cfg)[0],
                               impl=cfg.norm_impl)
@@ -51,8 +52,8 @@ class DecoderLayer(nnx.Module):
     def blocks(self, h, x, router_state, *, state_scale, positions, inv_freq, sliding_window=None,
                attention_mask=None, cca_state=None, attend=None, segment_ids=None, cca_exchange=None):
         """The layer short of its last residual merge, from h and x = input_layernorm(h): returns (h after the
-        attention block, the MoE output m, router_state, routing statistics, cca_state). The unrolled model merges m into h
-        fused with the next norm (ZayaModel)."""
+        attention block, the MoE output m, router_state, routing statistics, cca_state). The unrolled model merges m
+        into h fused with the next norm (ZayaModel)."""
         cfg = self.cfg
         dt, eps, impl = dtypes(cfg)[0], cfg.rms_norm_eps, cfg.norm_impl
         a, cca_state = self.self_attn(x, positions=positions, inv_freq=inv_freq, sliding_window=sliding_window,

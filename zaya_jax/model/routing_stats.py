@@ -109,4 +109,5 @@ def unpack(stats) -> RoutingStats:
                         stats[..., 3 * c + 1], stats[..., 3 * c + 2:3 * c + 2 + experts], stats[..., -1])
 
 
-__all__ = ["RoutingStats", "balancing_correction", "token_sums", "unpack", "SOLVE_ROUNDS", "SOLVE_TOKENS", "SOLVE_DAMPING", "CORRECTION_NAME"]
+__all__ = ["RoutingStats", "balancing_correction", "token_sums", "unpack", "SOLVE_ROUNDS", "SOLVE_TOKENS",
+           "SOLVE_DAMPING", "CORRECTION_NAME"]
