@@ -9,7 +9,7 @@ instead of `...acq_rel.add`). On the H200 the fused backward went from 40.7 to 2
 
 This is our own primitive with jax's abstract evaluation and interpret-mode discharge (the same as
 `plgpu.atomic_add`) and a Triton lowering rule that differs only in the memory semantic. It touches jax
-internals; `available()` says whether they were found (tests pin jax to versions where they are).
+internals; `available()` says whether they were found (they are on jax 0.11.2 and 0.12, both tested).
 """
 
 from __future__ import annotations
@@ -22,15 +22,16 @@ try:
     from jax._src import core as _core
     from jax._src import state as _state
     from jax._src import tree_util as _tree_util
+    from jax._src.lib.mlir.dialects import arith as _arith
     from jax._src.lib.triton import dialect as _tt
     from jax._src.pallas.triton import lowering as _lowering
     from jax._src.pallas.triton import primitives as _tp
     from jax._src.state import discharge as _discharge
     from jax._src.state import indexing as _indexing
     from jax._src.state import primitives as _state_primitives
-    _ = (_tp._atomic_abstract_eval,  # every internal used below, so that a missing one is found here _tp._atomic_rmw_discharge_rule, _tp.AtomicOpType.ADD,
-                  _lowering._atomic_rmw, _lowering._compute_pointers_from_indices, _lowering._ensure_ir_value,
-                  _tt.MemSemantic.RELAXED)
+    _ = (_tp._atomic_abstract_eval,  # every internal used below, so that a missing one is found here
+         _tp._atomic_rmw_discharge_rule, _tp.AtomicOpType.ADD, _lowering._atomic_rmw, _lowering._bcast_to,
+         _lowering._compute_pointers_from_indices, _lowering._ensure_ir_value, _tt.MemSemantic.RELAXED, _arith.andi)
     _MISSING = None
 except (ImportError, AttributeError) as exc:  # another jax: fall back to plgpu.atomic_add (correct, slower)
     _MISSING = f"{type(exc).__name__}: {exc}"
@@ -61,6 +62,16 @@ if _MISSING is None:
         val = _lowering._ensure_ir_value(val, value_aval)
         if mask is not None:
             mask = _lowering._ensure_ir_value(mask, mask_aval)
+        if isinstance(ptr, tuple):
+            # jax >= 0.12: (pointers, mask of the block's in-bounds elements or None), as in its atomic_rmw rule:
+            # value and mask broadcast to the indexed shape, the bounds mask and-ed into the mask
+            ptr, bounds = ptr
+            shape = indexers[0].get_indexer_shape_static()
+            val = _lowering._bcast_to(val, shape)
+            if mask is not None:
+                mask = _lowering._bcast_to(mask, shape)
+            if bounds is not None:
+                mask = bounds if mask is None else _arith.andi(mask, bounds)
         return _lowering._atomic_rmw(_tt.RMWOp.FADD, ptr, val, mask=mask, semantic=_tt.MemSemantic.RELAXED)
 
 

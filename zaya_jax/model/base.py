@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax import lax
 
 from zaya_jax.config import ModelConfig
 
@@ -66,10 +68,30 @@ class ResidualScaling(nnx.Module):
                 self.residual_bias[...])
 
 
+@jax.custom_jvp
+def gelu_exact(x):
+    """x/2 erfc(-x/sqrt(2)): jax.nn.gelu(approximate=False)'s operations, with its own derivative. jax 0.12's erfc
+    JVP evaluates lax.polynomial on constant coefficients that lack the varying manual axes of a shard_map body,
+    which the vma check rejects; this derivative is jax 0.11.2's erfc rule, d erfc(z) = -2/sqrt(pi) exp(-z^2) dz,
+    in the order autodiff applies it (the same gradients, bit for bit, as jax.nn.gelu on 0.11.2)."""
+    return 0.5 * x * lax.erfc(-x * np.sqrt(0.5).astype(x.dtype))
+
+
+@gelu_exact.defjvp
+def _gelu_exact_jvp(primals, tangents):
+    (x,), (dx,) = primals, tangents
+    c = np.sqrt(0.5).astype(x.dtype)
+    z = -x * c
+    erfc_z = lax.erfc(z)
+    d_erfc = np.asarray(-2.0 / np.sqrt(np.pi), x.dtype) * ((-dx * c) * jnp.exp(-lax.square(z)))
+    half_x = 0.5 * x
+    return half_x * erfc_z, (0.5 * dx) * erfc_z + half_x * d_erfc
+
+
 def activation(name: str):
     return {
         "silu": jax.nn.silu, "swish": jax.nn.silu, "relu": jax.nn.relu,
-        "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+        "gelu": gelu_exact,
         "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
         "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
     }[name]
