@@ -29,6 +29,10 @@ def small_config(**train):
     # fp32 Newton-Schulz: exact comparisons here, and the same programs as tests/test_parallel_train.py's (which
     # compares to 1e-5): its resume on 4 devices and the 4-device runs here share one compilation
     c.optim.update(dict(warmup_steps=2, total_steps=6, muon_ns_dtype="float32"))
+    # routers select with the stored biases alone: the in-microbatch balancing solve (on when the controller is)
+    # routes by each rank's microbatch, so runs split differently over devices or microbatches would route
+    # differently, and these tests compare such runs exactly (the controller: tests/test_balancing.py)
+    c.balancing.learning_rate = 0.0
     return c
 
 
