@@ -26,14 +26,8 @@ def parse_value(text: str):
 
 def parse_variant(text: str) -> tuple[str, dict]:
     name, _, spec = text.partition(":")
-    values = {}
-    for item in filter(None, spec.split(",")):
-        key, _, value = item.partition("=")
-        try:
-            values[key] = float(value) if key != "rule" else value
-        except ValueError:
-            values[key] = value
-    return name, values
+    return name, {key: parse_value(value) for key, _, value in
+                  (item.partition("=") for item in filter(None, spec.split(",")))}
 
 
 def main(argv=None):

@@ -76,13 +76,12 @@ def routing_health(stats) -> RoutingHealth:
     share = experts / jnp.maximum(total, 1.0)[:, None] * num_experts
     tokens = jnp.maximum(st.tokens, 1.0)
     return RoutingHealth(share.max(-1), share.min(-1), (share < DEAD_LOAD).sum(-1).astype(jnp.float32),
-                         st.top1_sum / tokens, st.entropy_sum / tokens, probability_spread(stats),
+                         st.top1_sum / tokens, st.entropy_sum / tokens, probability_spread(st),
                          skip / tokens)
 
 
-def probability_spread(stats):
+def probability_spread(st: routing_stats.RoutingStats):
     """[L] the token-to-token standard deviation of the real experts' probabilities (root mean variance)."""
-    st = routing_stats.unpack(stats)
     n = jnp.maximum(st.tokens, 1.0)[:, None]
     mean = st.prob_sum[:, :-1] / n
     var = jnp.maximum(st.prob_sq_sum[:, :-1] / n - mean * mean, 0.0)
