@@ -85,3 +85,42 @@ def test_an_unreadable_latest_step_is_set_aside_and_blocks_no_save_nor_retention
     mngr = CheckpointManager(str(tmp_path))
     assert mngr.all_steps() == [4, 6]
     assert mngr.restore(abstract_like(state), step=4).data == {"step": 4}
+
+
+def test_save_returns_before_the_transfer_and_writes_the_state_as_it_was(tmp_path, monkeypatch):
+    """The loop waits only for an on-device copy: Orbax's own (here slowed) save runs in a worker thread, and the
+    loop's buffers, donated to the next step in training, may be deleted right after save returns."""
+    import time
+
+    import orbax.checkpoint as ocp
+    orbax_save = ocp.CheckpointManager.save
+
+    def slow_save(self, *args, **kwargs):
+        time.sleep(2.0)
+        return orbax_save(self, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", slow_save)
+    mngr = CheckpointManager(str(tmp_path), save_interval_steps=1)
+    state = _state(_mesh(8))
+    expected = jax.tree.map(np.asarray, state)
+    start = time.perf_counter()
+    assert mngr.save(7, state, data={"step": 7}, meta={})
+    assert time.perf_counter() - start < 1.0
+    for x in jax.tree.leaves(state):
+        x.delete()
+    mngr.close()
+    restored = CheckpointManager(str(tmp_path)).restore(abstract_like(_state(_mesh(8))))
+    jax.tree.map(np.testing.assert_array_equal, restored.state, expected)
+
+
+def test_a_failed_background_save_is_raised_by_wait(tmp_path, monkeypatch):
+    import orbax.checkpoint as ocp
+
+    def broken_save(self, *args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", broken_save)
+    mngr = CheckpointManager(str(tmp_path), save_interval_steps=1)
+    mngr.save(1, _state(_mesh(2)), data={}, meta={})
+    with pytest.raises(CheckpointError, match="disk full"):
+        mngr.wait()

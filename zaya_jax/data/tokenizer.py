@@ -139,6 +139,9 @@ def load_tokenizer(spec: str = "byte", **special_tokens) -> Tokenizer:
     """"byte" -> ByteTokenizer; a tokenizer.json path, or a folder holding one, -> HFTokenizer."""
     if spec == "byte":
         return ByteTokenizer()
+    if not spec:
+        raise DataError("no tokenizer given: set data.tokenizer (--config.data.tokenizer=...) to 'byte', a "
+                        "tokenizer.json file, or a folder holding one: the one prepare_data tokenized the data with")
     path = os.path.join(spec, "tokenizer.json") if os.path.isdir(spec) else spec
     if not os.path.isfile(path):
         raise DataError(f"{spec}: not 'byte', a tokenizer.json file, or a folder holding one")

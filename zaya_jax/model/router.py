@@ -31,14 +31,18 @@ class Router(nnx.Module):
         self.router_mlp = RouterMLP(cfg, rngs)
         init = jnp.zeros((cfg.num_experts + 1,), jnp.float32).at[-1].set(-1.0)
         self.balancing_biases = BalancingBias(init)
-        self.balance_tokens = False  # training with the bias controller on: set by the train step (set_attributes)
+        # set by the train step (set_attributes): solve_balance computes the balancing correction for the bias
+        # controller's statistics, balance_tokens also selects with it; neither in evaluation or generation
+        self.solve_balance = False
+        self.balance_tokens = False
 
     def __call__(self, x, prev_state, state_scale, token_mask=None):
         """x: [B,T,D]; prev_state: [B,T,R] fp32 (zeros at layer 0); state_scale: [R] (ones at layer 0).
         Returns (weight [B,T] fp32, index [B,T] int32 in [0, E], router state for the next layer, probabilities
-        [B,T,E+1] fp32, the balancing correction [E] of these tokens (routing_stats.balancing_correction)).
-        With balance_tokens the selection adds that correction to the biases: every expert gets an equal share of
-        this forward's tokens (the controller folds it into the biases, optim/balancing.py)."""
+        [B,T,E+1] fp32, the balancing correction [E] of these tokens). With balance_tokens the selection adds the
+        correction of routing_stats.balancing_correction to the biases: every expert gets an equal share of this
+        forward's tokens (the controller folds it into the biases, optim/balancing.py); with neither it and
+        solve_balance, the correction is zero."""
         cfg = self.cfg
         f32 = jnp.float32
         gelu = activation("gelu")
@@ -50,8 +54,11 @@ class Router(nnx.Module):
         probs = jax.nn.softmax(mlp.out_proj(z, f32), axis=-1)
         score = jax.lax.stop_gradient(probs) + self.balancing_biases[...].astype(f32)
         valid = jnp.ones(x.shape[:-1], bool) if token_mask is None else token_mask.astype(bool)
-        correction = routing_stats.balancing_correction(score[..., :-1].reshape(-1, cfg.num_experts),
-                                                        valid.reshape(-1))
+        expert_scores = score[..., :-1].reshape(-1, cfg.num_experts)
+        if self.solve_balance or self.balance_tokens:
+            correction = routing_stats.balancing_correction(expert_scores, valid.reshape(-1))
+        else:  # zeros that vary like the scores inside shard_map
+            correction = expert_scores[0] * 0.0
         if self.balance_tokens:
             score = score + jnp.append(correction, 0.0)
         index = jnp.argmax(score, axis=-1).astype(jnp.int32)

@@ -35,14 +35,16 @@ class RoutingStats(NamedTuple):
         return self.counts.sum(-1)
 
 
-# Jacobi rounds of the balancing solve and the share of each round's step taken: converges to within a token or two
-# of equal counts from a fully collapsed router as well as from a nearly uniform one (tests/test_balancing.py).
-# The solve reads at most SOLVE_TOKENS tokens, a fixed random subset (its sorts would otherwise cost a sizeable part
-# of an expert layer; a regular stride aliases with periodic text such as indented code): each expert's share of the
-# forward is then off by the sampling error of SOLVE_TOKENS / E tokens, about 1 / sqrt(that).
+# Jacobi rounds of the balancing solve and the share of each round's step taken. The solve starts from the biases
+# that equalise the experts' median scores, which removes the shift common to all tokens (what collapses a router
+# whose probabilities differ between tokens by less than one optimizer step moves them). It reads at most
+# SOLVE_TOKENS tokens of the forward: a random subset (a regular stride aliases with periodic text such as indented
+# code) whose positions move with the data, so that its sampling error, about 1 / sqrt(SOLVE_TOKENS / E) of each
+# expert's share, differs between microbatches and layers instead of adding up over a step. The measurements that
+# chose these are in docs/routing.md.
 SOLVE_ROUNDS = 16
 SOLVE_TOKENS = 2048
-SOLVE_DAMPING = 0.7
+SOLVE_DAMPING = 0.9
 CORRECTION_NAME = "balancing_correction"  # its checkpoint_name: remat policies keep it (model/zaya.py)
 
 
@@ -55,28 +57,33 @@ def balancing_correction(scores, valid):
     midpoint of its N/E-th and next-largest margins), all experts at once, damped; the margins are measured in
     the scores' own units, so the solve needs no step size whatever the spread of the probabilities."""
     if scores.shape[0] > SOLVE_TOKENS:
-        subset = np.sort(np.random.default_rng(scores.shape[0]).choice(scores.shape[0], SOLVE_TOKENS, replace=False))
+        n = scores.shape[0]
+        subset = np.random.default_rng(n).choice(n, SOLVE_TOKENS, replace=False).astype(np.uint32)
+        # the data's low bits: a max, exact in any reduction order (another program must pick the same subset)
+        shift = jax.lax.bitcast_convert_type(scores.max().astype(jnp.float32), jnp.uint32) % n
+        subset = ((subset + shift) % n).astype(jnp.int32)
         scores, valid = scores[subset], valid[subset]
-    n, num_experts = scores.shape
-    k = jnp.clip(valid.sum() // num_experts, 1, n - 1)
-    experts = jnp.arange(num_experts)
+    scores = scores.T  # [E, N]: the sorts run along the minor axis
+    num_experts, n = scores.shape
+    count = valid.sum()
+    k = jnp.clip(count // num_experts, 1, n - 1)
+    experts = jnp.arange(num_experts)[:, None]
+    # each expert's median valid score (a sort: exact whatever the reduction order, unlike a mean)
+    median = jnp.take(jnp.sort(jnp.where(valid, scores, jnp.inf), axis=-1), jnp.maximum(count - 1, 0) // 2, axis=-1)
 
     def round_(delta, _):
-        s = scores + delta
-        first = s.max(-1, keepdims=True)
-        is_first = experts[None] == jnp.argmax(s, -1)[:, None]
-        second = jnp.where(is_first, -jnp.inf, s).max(-1, keepdims=True)
-        best_other = jnp.where(is_first, second, first)
-        margin = jnp.where(valid[:, None], s - best_other, -jnp.inf)
-        ranked = -jnp.sort(-margin, axis=0)
-        middle = 0.5 * (jnp.take(ranked, k - 1, axis=0) + jnp.take(ranked, k, axis=0))
-        middle = jnp.where(jnp.isfinite(middle), middle, 0.0)
-        delta = delta - SOLVE_DAMPING * middle
+        s = scores + delta[:, None]
+        first = s.max(0, keepdims=True)
+        is_first = experts == jnp.argmax(s, 0)[None]
+        second = jnp.where(is_first, -jnp.inf, s).max(0, keepdims=True)
+        margin = jnp.where(valid, s - jnp.where(is_first, second, first), -jnp.inf)
+        ranked = -jnp.sort(-margin, axis=-1)
+        middle = 0.5 * (jnp.take(ranked, k - 1, axis=-1) + jnp.take(ranked, k, axis=-1))
+        delta = delta - SOLVE_DAMPING * jnp.where(jnp.isfinite(middle), middle, 0.0)
         return delta - delta.mean(), None
 
-    # the carry starts from the scores (not a constant) so that inside shard_map it varies over the same axes
-    delta, _ = jax.lax.scan(round_, jnp.zeros_like(scores[0]), None, length=SOLVE_ROUNDS)
-    return checkpoint_name(jnp.where(valid.sum() >= num_experts, delta, 0.0), CORRECTION_NAME)
+    delta, _ = jax.lax.scan(round_, median.mean() - median, None, length=SOLVE_ROUNDS)
+    return checkpoint_name(jnp.where(count >= num_experts, delta, 0.0), CORRECTION_NAME)
 
 
 def token_sums(probs, index, correction, token_mask=None) -> jax.Array:

@@ -71,10 +71,11 @@ def loss_sums(model, batch, reset_at_documents: bool, ce_chunk_tokens: int | Non
 
 
 def training_model(graphdef, params, model_state, balance_tokens: bool):
-    """The model as the train step runs it: with balance_tokens, every router gives its experts equal shares of the
-    forward's tokens (model/router.py), which the bias controller then folds into the biases."""
+    """The model as the train step runs it: every router solves its balancing correction, which the bias controller
+    folds into the biases; with balance_tokens, it also selects with it, giving its experts equal shares of the
+    forward's tokens (model/router.py)."""
     model = nnx.merge(graphdef, params, model_state)
-    model.set_attributes(balance_tokens=balance_tokens)
+    model.set_attributes(solve_balance=True, balance_tokens=balance_tokens)
     return model
 
 
