@@ -49,6 +49,37 @@ def test_solve_gives_every_expert_an_equal_share(case):
     assert abs(float(delta.sum())) < 1e-6
 
 
+def test_solve_on_more_tokens_than_it_reads_balances_the_whole_forward():
+    """A forward of 4 x SOLVE_TOKENS tokens: the solve reads a subset, whose sampling error (about 1/sqrt(256) of
+    each share here) is all that is left on the whole forward."""
+    rng, seed = fresh_rng()
+    n, e = 4 * routing_stats.SOLVE_TOKENS, 8
+    scores = jnp.asarray(1 / 9 + rng.normal(size=e) * 1e-3 + rng.normal(size=(n, e)) * 1e-5, jnp.float32)
+    share = loads(scores, jax.jit(routing_stats.balancing_correction)(scores, jnp.ones(n, bool)))
+    assert share.max() <= 1.3 and share.min() >= 0.7, (share, f"seed {seed}")
+
+
+def test_router_solves_only_in_the_train_step():
+    """Evaluation and generation (the defaults) skip the solve; solve_balance measures it for the controller without
+    changing the selection; balance_tokens selects with it."""
+    from flax import nnx
+    from zaya_jax.model.router import Router
+    cfg = preset("tiny", dtype="float32")
+    router = Router(cfg, nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (4, 64, cfg.hidden_size))
+    state = jnp.zeros((4, 64, cfg.router_hidden_size))
+    scale = jnp.ones((cfg.router_hidden_size,))
+    _, index, _, _, correction = router(x, state, scale)
+    assert np.all(np.asarray(correction) == 0)
+    router.solve_balance = True
+    _, measured_index, _, _, correction = router(x, state, scale)
+    assert np.any(np.asarray(correction) != 0) and np.array_equal(index, measured_index)
+    router.balance_tokens = True
+    _, balanced_index, _, _, _ = router(x, state, scale)
+    counts = np.bincount(np.asarray(balanced_index).ravel(), minlength=cfg.num_experts + 1)[:cfg.num_experts]
+    assert counts.max() <= 1.25 * counts.mean() and np.bincount(np.asarray(index).ravel()).max() > counts.max()
+
+
 def test_solve_leaves_too_few_tokens_alone():
     assert np.all(np.asarray(routing_stats.balancing_correction(jnp.ones((3, 8)), jnp.ones(3, bool))) == 0)
 

@@ -67,6 +67,8 @@ def test_hf_special_tokens_from_config_and_by_name(tmp_path):
 def test_bad_tokenizer_specs(tmp_path):
     with pytest.raises(DataError, match="not 'byte'"):
         load_tokenizer(str(tmp_path / "nothing.json"))
+    with pytest.raises(DataError, match=r"no tokenizer given: set data.tokenizer"):  # a phase config's empty default
+        load_tokenizer("")
     bad = tmp_path / "tokenizer.json"
     bad.write_text("{not json")
     with pytest.raises(DataError, match="not a readable tokenizer.json"):

@@ -4,11 +4,6 @@ One checkpoint = three Orbax items: `state` (params, optimizer state, balancing 
 step: arrays, saved as logical (unsharded) arrays so a restore can lay them out on a different mesh), `data`
 (the data iterator's JSON position) and `meta` (the model config and run info, checked on restore so a
 checkpoint of another model is refused with a clear message instead of a shape error deep inside Orbax).
-
-An asynchronous save holds the training loop only for an on-device copy of the state: a worker thread hands that
-copy to Orbax, whose device->host transfer and writes then overlap the following steps (the loop's own buffers are
-donated to the next step, so they cannot be read later). Where device memory has no room for the copy, the loop
-waits for Orbax's device->host transfer instead.
 """
 
 from __future__ import annotations
@@ -16,11 +11,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import threading
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 
@@ -38,63 +31,26 @@ class Restored:
 
 class CheckpointManager:
     def __init__(self, directory: str, *, save_interval_steps: int = 100, max_to_keep: int | None = 3,
-                 async_save: bool = True, log=print):
+                 async_save: bool = True):
         self.directory = os.path.abspath(directory)
         # cleanup_tmp_directories: a save killed mid-write leaves an unfinished tmp folder, never a usable step
         options = ocp.CheckpointManagerOptions(save_interval_steps=save_interval_steps, max_to_keep=max_to_keep,
                                                enable_async_checkpointing=async_save, create=True,
                                                cleanup_tmp_directories=True)
         self._mngr = ocp.CheckpointManager(self.directory, options=options)
-        self._async = async_save
-        self._log = log
-        self._copy_fits: bool | None = None  # decided at the first save, before any copy exists
-        self._worker: threading.Thread | None = None
-        self._worker_error: BaseException | None = None
 
     # ---- save ---------------------------------------------------------------------------------------------------
     def save(self, step: int, state, *, data: dict, meta: dict, force: bool = False) -> bool:
-        """Starts a save of `state` at `step`; False if the interval skips it. Asynchronous: returns once an
-        unfinished previous save is done and the state is copied on the device (module docstring)."""
-        if not force and not self._mngr.should_save(step):
-            return False
-        self.wait()
-        if self._async and self._copy_on_device(state):
-            snapshot = jax.tree.map(jnp.copy, state)
-            self._worker = threading.Thread(target=self._save_in_worker, args=(step, snapshot, data, meta),
-                                            name=f"checkpoint-{step}", daemon=True)
-            self._worker.start()
-            return True
-        return self._mngr.save(step, args=_save_args(state, data, meta), force=True)
-
-    def _save_in_worker(self, step, snapshot, data, meta):
-        try:
-            self._mngr.save(step, args=_save_args(snapshot, data, meta), force=True)
-        except BaseException as e:  # raised again by wait(), on the loop's thread
-            self._worker_error = e
-
-    def _copy_on_device(self, state) -> bool:
-        if self._copy_fits is None:
-            need = _bytes_per_device(state)
-            short = [f"{d}: {need[d] / 2**30:.1f} GiB needed, {free / 2**30:.1f} GiB free"
-                     for d, free in _free_bytes(need).items() if free < 1.1 * need[d]]
-            self._copy_fits = not short
-            if short:
-                self._log(f"checkpoints: no device memory for a copy of the state ({'; '.join(short)}); each "
-                          "save holds the training loop for its device->host transfer")
-        return self._copy_fits
+        """Starts an asynchronous save (returns once device buffers are copied); False if the interval skips it."""
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data),
+                                  meta=ocp.args.JsonSave(_jsonable(meta)))
+        return self._mngr.save(step, args=args, force=force)
 
     def wait(self):
-        """Blocks until every started save is written; raises the error of a save that failed."""
-        if self._worker is not None:
-            self._worker.join()
-            self._worker = None
-        error, self._worker_error = self._worker_error, None
         self._mngr.wait_until_finished()
-        if error is not None:
-            raise CheckpointError(f"saving a checkpoint in {self.directory} failed: {error}") from error
 
     def close(self):
-        self.wait()
+        self._mngr.wait_until_finished()
         self._mngr.close()
 
     # ---- restore ------------------------------------------------------------------------------------------------
@@ -182,30 +138,6 @@ def restore_subset(directory: str, abstract_subset: dict, *, step: int | None = 
     args = ocp.args.PyTreeRestore(item=abstract_subset, partial_restore=True,
                                   restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_subset))
     return step, mngr.restore(step, args=ocp.args.Composite(state=args))["state"]
-
-
-def _save_args(state, data: dict, meta: dict):
-    return ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data),
-                              meta=ocp.args.JsonSave(_jsonable(meta)))
-
-
-def _bytes_per_device(tree) -> dict:
-    need: dict = {}
-    for x in jax.tree.leaves(tree):
-        for shard in x.addressable_shards:
-            need[shard.device] = need.get(shard.device, 0) + shard.data.nbytes
-    return need
-
-
-def _free_bytes(need: dict) -> dict:
-    """Bytes each device can still allocate past its peak so far; devices without statistics (the CPU, whose
-    'device' memory is the host's) are taken to have room."""
-    free = {}
-    for device in need:
-        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-        if stats and "bytes_limit" in stats:
-            free[device] = stats["bytes_limit"] - stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0))
-    return free
 
 
 def abstract_like(tree, shardings=None):

@@ -218,9 +218,9 @@ def optimizer_config(config: ConfigDict) -> OptimizerConfig:
     return OptimizerConfig(**o)
 
 
-def checkpoint_manager(config: ConfigDict, workdir: str, log=print) -> CheckpointManager:
+def checkpoint_manager(config: ConfigDict, workdir: str) -> CheckpointManager:
     return CheckpointManager(os.path.join(workdir, "checkpoints"), save_interval_steps=config.train.checkpoint_every,
-                             max_to_keep=config.train.keep_checkpoints, log=log)
+                             max_to_keep=config.train.keep_checkpoints)
 
 
 def run(config: ConfigDict, workdir: str, *, log=print) -> dict:
@@ -247,7 +247,7 @@ def _run(config: ConfigDict, workdir: str, *, log, closers: list) -> dict:
     plan, mesh, cfg, state, meta = s.plan, s.mesh, s.plan.model, s.state, s.meta
     log(partition_table(state["params"], s.optimizer, s.tx))
 
-    ckpt = checkpoint_manager(config, workdir, log)
+    ckpt = checkpoint_manager(config, workdir)
     closers.append(ckpt.close)
     data_state, start = None, 0
     run_record.ensure(config, workdir, resuming=ckpt.latest_step() is not None, write=lead, log=log)
@@ -375,7 +375,7 @@ def _run(config: ConfigDict, workdir: str, *, log, closers: list) -> dict:
             last.update(ev)
         if done % config.train.checkpoint_every == 0 or done == plan.steps:
             jax.block_until_ready(state)
-            # what a save costs the loop: the state's on-device copy and any wait for the previous save to finish
+            # what a save costs the loop: the device->host copy and any wait for the previous save to finish
             with meter.excluded() as blocked:
                 saved = ckpt.save(done, state, data=it.state(), meta=meta, force=done == plan.steps)
             if saved:
