@@ -41,8 +41,8 @@ class Router(nnx.Module):
         Returns (weight [B,T] fp32, index [B,T] int32 in [0, E], router state for the next layer, probabilities
         [B,T,E+1] fp32, the balancing correction [E] of these tokens). With balance_tokens the selection adds the
         correction of routing_stats.balancing_correction to the biases: every expert gets an equal share of this
-        forward's tokens (the controller folds it into the biases, optim/balancing.py); with neither it and
-        solve_balance, the correction is zero."""
+        forward's tokens (the controller folds it into the biases, optim/balancing.py); without balance_tokens or
+        solve_balance the correction is zero."""
         cfg = self.cfg
         f32 = jnp.float32
         gelu = activation("gelu")
