@@ -38,7 +38,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import platform
 from pallas_kernels import vma
-from zaya_jax.ops.cca_conv import halo, tap_offset
+from pallas_kernels.cca_conv_taps import halo, tap_offset
 
 F32 = jnp.float32
 _NT = (((1,), (1,)), ((), ()))  # a @ bᵀ
