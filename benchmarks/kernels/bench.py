@@ -18,7 +18,7 @@ import numpy as np
 from pallas_kernels import _attention_blocks as blocks_lib
 from pallas_kernels import _attention_kernels as attn_kern
 from pallas_kernels import _norm_kernels as norm_kern
-from pallas_kernels import platform, cca_attention, rmsnorm
+from pallas_kernels import cca_attention, platform, rmsnorm
 from pallas_kernels import cca_conv as cca_conv_kernels
 from pallas_kernels.platform import AttentionBlocks, NormLaunch
 from zaya_jax.model.cca import same_segment_masks
