@@ -25,7 +25,7 @@ def main(argv, open_flags=None):
     logging.set_verbosity(logging.WARNING)
     from zaya_jax.train import run_record
     from zaya_jax.train.cli_config import OpenFlags, command_line_config
-    from zaya_jax.train.evaluate import evaluate_checkpoint
+    from zaya_jax.train.loop import evaluate_checkpoint
     F = flags.FLAGS
     if not F["config"].present:  # never the default config's built-in corpus for a run that did not record one
         run_record.load_config(F.workdir)  # raises: DIR has no run.json; pass --config

@@ -7,7 +7,7 @@ Layouts: q/o/dq [B, Tp, H, dp], k/v/dk/dv [B, Sp, KV, dp], lse/delta [B, H, Tp] 
 carry different windows), loop ranges [B, n_blocks, 4] int32 (see `_attention_blocks`). Tp, Sp are multiples of
 every block size and dp is a power of two >= 16; the wrapper pads. Query head h reads KV head h // groups through
 the BlockSpec index map, so repeated K/V are never materialised. Inside shard_map (check_vma) each launch makes its
-inputs vary over the union of their mesh axes and its outputs carry that type (`_vma`); the caller sums gradients
+inputs vary over the union of their mesh axes and its outputs carry that type (`vma`); the caller sums gradients
 back to their primals' types.
 
 Head stacking: a tile of query rows may hold `heads` query heads of one KV head at the same positions, stacked
@@ -40,8 +40,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import _platform
-from pallas_kernels import _vma
+from pallas_kernels import platform
+from pallas_kernels import vma
 from pallas_kernels._relaxed_atomic import relaxed_atomic_add
 
 F32 = jnp.float32
@@ -240,8 +240,8 @@ def forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, window, ranges, *, scale, blo
     kbound = None
     if bound:  # flat [B * KV], padded to a power of two (a whole-array block)
         kbound = key_norm_bound(k, scale).reshape(-1)
-        kbound = jnp.pad(kbound, (0, _platform.next_pow2(max(16, B * KV)) - B * KV))
-    ranges, q, k, v, q_pos, kv_pos, q_seg, kv_seg, window, kbound = _vma.vary_to_union(
+        kbound = jnp.pad(kbound, (0, platform.next_pow2(max(16, B * KV)) - B * KV))
+    ranges, q, k, v, q_pos, kv_pos, q_seg, kv_seg, window, kbound = vma.vary_to_union(
         ranges, q, k, v, q_pos, kv_pos, q_seg, kv_seg, window, kbound)
     sp = _query_grid_specs(B, Tp, Sp, H, KV, dp, bq, heads)
     opt_specs, opt_arrays = _optional_inputs(sp["q_vec"], sp["kv_vec"], q_seg, kv_seg, window)
@@ -255,10 +255,10 @@ def forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, window, ranges, *, scale, blo
             grid=(H // heads, B, Tp // bq),
             in_specs=in_specs + extra_specs + opt_specs,
             out_specs=[sp["q"], sp["stats"]],
-            out_shape=[_vma.out_struct(q.shape, q.dtype, q), _vma.out_struct((B, H, Tp), F32, q)],
+            out_shape=[vma.out_struct(q.shape, q.dtype, q), vma.out_struct((B, H, Tp), F32, q)],
             input_output_aliases=aliases or {},
-            compiler_params=_platform.compiler_params(blocks.fwd_warps, blocks.fwd_stages),
-            interpret=_platform.interpret(), name=f"cca_attention_fwd{'' if mode == 'online' else '_' + mode}",
+            compiler_params=platform.compiler_params(blocks.fwd_warps, blocks.fwd_stages),
+            interpret=platform.interpret(), name=f"cca_attention_fwd{'' if mode == 'online' else '_' + mode}",
         )(*args, *extra_args, *opt_arrays)
 
     if not bound:
@@ -303,7 +303,7 @@ def backward_dq(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, 
     Sp, KV = k.shape[1], k.shape[2]
     bq, bk = blocks.dq_q, blocks.dq_k
     heads = stacked_heads(H // KV, blocks.dq_heads)
-    ranges, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window = _vma.vary_to_union(
+    ranges, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window = vma.vary_to_union(
         ranges, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window)
     sp = _query_grid_specs(B, Tp, Sp, H, KV, dp, bq, heads)
     opt_specs, opt_arrays = _optional_inputs(sp["q_vec"], sp["kv_vec"], q_seg, kv_seg, window)
@@ -315,9 +315,9 @@ def backward_dq(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, 
         grid=(H // heads, B, Tp // bq),
         in_specs=in_specs,
         out_specs=sp["q"],
-        out_shape=_vma.out_struct(q.shape, q.dtype, q),
-        compiler_params=_platform.compiler_params(blocks.dq_warps, blocks.dq_stages),
-        interpret=_platform.interpret(), name="cca_attention_dq",
+        out_shape=vma.out_struct(q.shape, q.dtype, q),
+        compiler_params=platform.compiler_params(blocks.dq_warps, blocks.dq_stages),
+        interpret=platform.interpret(), name="cca_attention_dq",
     )(ranges, q, k, v, do, lse2, delta, q_pos, kv_pos, *opt_arrays)
 
 
@@ -397,7 +397,7 @@ def dkv_split(heads: int, kv_heads: int, batch: int, n_kv_blocks: int, requested
         if groups % requested:
             raise ValueError(f"dkv_split={requested} must divide the {groups} query heads per KV head")
         return requested
-    want = _platform.compute_units()
+    want = platform.compute_units()
     return next((s for s in range(1, groups + 1) if groups % s == 0 and kv_heads * s * batch * n_kv_blocks >= want),
                 groups)
 
@@ -433,7 +433,7 @@ def _dkv_call(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ra
     split, groups, heads = dkv_layout(H, KV, B, Sp, blocks)
     store_ds = n_tiles is not None
     has_seg = q_seg is not None
-    ranges, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window = _vma.vary_to_union(
+    ranges, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window = vma.vary_to_union(
         ranges, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window)
     # Program axis 0 = KV head * split + share; its query heads are share-block `g` of size `groups`.
     # Key block j = program axis 2 ascending: the first key blocks see the most queries under causal masks.
@@ -447,18 +447,18 @@ def _dkv_call(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ra
     in_specs = [pl.BlockSpec((None, None, ranges.shape[-1]), lambda g, b, j: (b, j, 0)), group_spec, kv_spec,
                 kv_spec, group_spec, rows_spec, rows_spec, q_vec, kv_vec] + opt_specs
     out_dtype = k.dtype if split == 1 else F32  # partial sums stay fp32 until they are added
-    out_shape = _vma.out_struct((B, Sp, KV * split, dp), out_dtype, q)
+    out_shape = vma.out_struct((B, Sp, KV * split, dp), out_dtype, q)
     args = [ranges, q, k, v, do, lse2, delta, q_pos, kv_pos, *opt_arrays]
     out_specs, out_shapes, aliases = [out_spec, out_spec], [out_shape, out_shape], {}
     if with_dq:  # dq accumulates in place in a zeroed fp32 buffer; a program adds to its own query heads' rows
         aliases = {len(args): 2}
-        args.append(_vma.vary(jnp.zeros((B, Tp, H, dp), F32), _vma.varying_axes(q)))
+        args.append(vma.vary(jnp.zeros((B, Tp, H, dp), F32), vma.varying_axes(q)))
         in_specs.append(group_spec)
         out_specs.append(group_spec)
-        out_shapes.append(_vma.out_struct((B, Tp, H, dp), F32, q))
+        out_shapes.append(vma.out_struct((B, Tp, H, dp), F32, q))
     if store_ds:  # the program's own dS tiles (only those its loop visits are written)
         out_specs.append(pl.BlockSpec((None, None, n_tiles, bk, bq * heads), lambda g, b, j: (b, g, 0, 0, 0)))
-        out_shapes.append(_vma.out_struct((B, KV * split, n_tiles, bk, bq * heads), q.dtype, q))
+        out_shapes.append(vma.out_struct((B, KV * split, n_tiles, bk, bq * heads), q.dtype, q))
     outs = pl.pallas_call(
         functools.partial(_dkv_kernel, c=scale * LOG2E, scale=scale, block_q=bq, groups=groups, heads=heads,
                           has_seg=has_seg, has_window=window is not None, with_dq=with_dq, store_ds=store_ds),
@@ -467,8 +467,8 @@ def _dkv_call(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ra
         out_specs=out_specs,
         out_shape=out_shapes,
         input_output_aliases=aliases,
-        compiler_params=_platform.compiler_params(blocks.dkv_warps, blocks.dkv_stages),
-        interpret=_platform.interpret(), name="cca_attention_bwd_fused" if with_dq else "cca_attention_dkv",
+        compiler_params=platform.compiler_params(blocks.dkv_warps, blocks.dkv_stages),
+        interpret=platform.interpret(), name="cca_attention_bwd_fused" if with_dq else "cca_attention_dkv",
     )(*args)
     dk, dv = outs[0], outs[1]
     if split > 1:
@@ -553,7 +553,7 @@ def backward_dq_tiles(ds, k, q_ranges, kv_ranges, *, scale, blocks, q_shape, q_d
     split, groups, heads = dkv_layout(H, KV, B, Sp, blocks)
     head_blocks = groups // heads
     n_tiles, nq = ds.shape[2], Tp // bq
-    ds, k, q_ranges, kv_ranges = _vma.vary_to_union(ds, k, q_ranges, kv_ranges)
+    ds, k, q_ranges, kv_ranges = vma.vary_to_union(ds, k, q_ranges, kv_ranges)
     return pl.pallas_call(
         functools.partial(_dq_tiles_kernel, scale=scale, block_q=bq, block_k=bk, heads=heads,
                           head_blocks=head_blocks, n_q_blocks=nq),
@@ -564,7 +564,7 @@ def backward_dq_tiles(ds, k, q_ranges, kv_ranges, *, scale, blocks, q_shape, q_d
                   pl.BlockSpec((None, None, n_tiles, bk, bq * heads),
                                lambda g, b, i: (b, lax.div(g, head_blocks), 0, 0, 0))],
         out_specs=pl.BlockSpec((None, Tp, groups, dp), lambda g, b, i: (b, 0, lax.div(g, head_blocks), 0)),
-        out_shape=_vma.out_struct((B, Tp, H, dp), q_dtype, ds),
-        compiler_params=_platform.compiler_params(blocks.tiles_dq_warps, blocks.tiles_dq_stages),
-        interpret=_platform.interpret(), name="cca_attention_dq_tiles",
+        out_shape=vma.out_struct((B, Tp, H, dp), q_dtype, ds),
+        compiler_params=platform.compiler_params(blocks.tiles_dq_warps, blocks.tiles_dq_stages),
+        interpret=platform.interpret(), name="cca_attention_dq_tiles",
     )(q_ranges, kv_ranges, k, ds)

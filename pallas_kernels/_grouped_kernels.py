@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _platform, _vma
+from pallas_kernels import platform, vma
 
 F32 = jnp.float32
 _NT = (((1,), (1,)), ((), ()))  # a @ bᵀ
@@ -86,12 +86,12 @@ def rows_matmul(x, w, tile_group, *, transpose_w: bool, block_n: int, block_k: i
     kernel = functools.partial(
         _rows_kernel, bm=bm, bn=block_n, bk=block_k, k_steps=K // block_k, num_row_tiles=T,
         num_col_tiles=num_col_tiles, group_rows=group_rows, num_groups=E, transpose_w=transpose_w,
-        precision=_platform.dot_precision(x.dtype))
+        precision=platform.dot_precision(x.dtype))
     return pl.pallas_call(
         kernel,
-        out_shape=_vma.out_struct((M, n_out), x.dtype, x),
+        out_shape=vma.out_struct((M, n_out), x.dtype, x),
         grid=(T * num_col_tiles,),
-        compiler_params=_platform.compiler_params(num_warps, num_stages),
+        compiler_params=platform.compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="grouped_matmul_nt" if transpose_w else "grouped_matmul_nn",
     )(tile_group, x, w)
@@ -146,15 +146,15 @@ def group_wgrad(dys, xs, group_tile_start, group_tile_count, *, block_rows: int,
         raise ValueError(f"group_wgrad: base must be fp32 [{E}, {n_out}, {K}], got {base.dtype} {base.shape}")
     kernel = functools.partial(
         _wgrad_kernel, parts=parts, bm=block_rows, rows_step=rows_step, bn=block_n, bk=block_k,
-        num_n_tiles=n_out // block_n, num_k_tiles=K // block_k, precision=_platform.dot_precision(xs[0].dtype),
+        num_n_tiles=n_out // block_n, num_k_tiles=K // block_k, precision=platform.dot_precision(xs[0].dtype),
         has_base=base is not None)
     args = [group_tile_start, group_tile_count, *dys, *xs] + ([] if base is None else [base])
     return pl.pallas_call(
         kernel,
-        out_shape=_vma.out_struct((E, n_out, K), xs[0].dtype if base is None else F32, xs[0]),
+        out_shape=vma.out_struct((E, n_out, K), xs[0].dtype if base is None else F32, xs[0]),
         grid=(E * (n_out // block_n) * (K // block_k),),
         input_output_aliases={} if base is None else {len(args) - 1: 0},
-        compiler_params=_platform.compiler_params(num_warps, num_stages),
+        compiler_params=platform.compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="grouped_matmul_wgrad" if base is None else "grouped_matmul_wgrad_sum",
     )(*args)

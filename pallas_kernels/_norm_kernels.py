@@ -31,8 +31,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import _platform
-from pallas_kernels import _vma
+from pallas_kernels import platform
+from pallas_kernels import vma
 
 F32 = jnp.float32
 
@@ -260,12 +260,12 @@ def _rows_call(kernel, name, *, rows_in, stats_in, vecs_in, rows_out, n_stats_ou
     Inside shard_map (check_vma) all inputs are made varying over the union of their mesh axes (a replicated
     weight next to sharded rows) and the outputs carry that type; the custom VJPs sum gradients back."""
     n_r, n_s = len(rows_in), len(stats_in)
-    inputs = _vma.vary_to_union(*rows_in, *stats_in, *vecs_in)
+    inputs = vma.vary_to_union(*rows_in, *stats_in, *vecs_in)
     rows_in, stats_in, vecs_in = inputs[:n_r], inputs[n_r:n_r + n_s], inputs[n_r + n_s:]
     n_rows = rows_in[0].shape[0]
-    block_d = _platform.next_pow2(d)
+    block_d = platform.next_pow2(d)
     rows = launch.rows
-    programs = min(programs or _platform.norm_programs(launch, n_rows), pl.cdiv(n_rows, rows))
+    programs = min(programs or platform.norm_programs(launch, n_rows), pl.cdiv(n_rows, rows))
     n_iters = pl.cdiv(n_rows, programs * rows)
     per_program = n_iters * rows
     programs = pl.cdiv(n_rows, per_program)
@@ -276,9 +276,9 @@ def _rows_call(kernel, name, *, rows_in, stats_in, vecs_in, rows_out, n_stats_ou
         raise ValueError(f"n_partials must be 0 or a power of two (a Triton block dimension), got {n_partials}")
     part_spec = pl.BlockSpec((None, n_partials, block_d), lambda i: (i, 0, 0))
     like = rows_in[0]
-    out_shape = ([_vma.out_struct((n_rows, d), dt, like) for dt in rows_out]
-                 + [_vma.out_struct((n_rows,), F32, like)] * n_stats_out
-                 + [_vma.out_struct((programs, n_partials, d), F32, like)] * bool(n_partials))
+    out_shape = ([vma.out_struct((n_rows, d), dt, like) for dt in rows_out]
+                 + [vma.out_struct((n_rows,), F32, like)] * n_stats_out
+                 + [vma.out_struct((programs, n_partials, d), F32, like)] * bool(n_partials))
     outs = pl.pallas_call(
         functools.partial(kernel, d=d, n_rows=n_rows, rows=rows, n_iters=n_iters, prefetch=launch.prefetch,
                           **kernel_kw),
@@ -286,8 +286,8 @@ def _rows_call(kernel, name, *, rows_in, stats_in, vecs_in, rows_out, n_stats_ou
         in_specs=[row_spec] * len(rows_in) + [stat_spec] * len(stats_in) + [vec_spec] * len(vecs_in),
         out_specs=[row_spec] * len(rows_out) + [stat_spec] * n_stats_out + [part_spec] * bool(n_partials),
         out_shape=out_shape,
-        compiler_params=_platform.compiler_params(launch.num_warps, launch.num_stages),
-        interpret=_platform.interpret(), name=name,
+        compiler_params=platform.compiler_params(launch.num_warps, launch.num_stages),
+        interpret=platform.interpret(), name=name,
     )(*rows_in, *stats_in, *vecs_in)
     n_direct = len(rows_out) + n_stats_out
     sums = outs[n_direct].sum(axis=0) if n_partials else ()
@@ -295,7 +295,7 @@ def _rows_call(kernel, name, *, rows_in, stats_in, vecs_in, rows_out, n_stats_ou
 
 
 def _launch(launch, d, phase):
-    return launch or _platform.norm_launch(_platform.next_pow2(d), phase)
+    return launch or platform.norm_launch(platform.next_pow2(d), phase)
 
 
 def rms_forward(x, w, *, eps, out_dtype, launch=None, programs=None):

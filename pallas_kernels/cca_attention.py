@@ -24,9 +24,9 @@ import numpy as np
 
 from pallas_kernels import _attention_blocks as blocks_lib
 from pallas_kernels import _attention_kernels as kern
-from pallas_kernels import _platform
-from pallas_kernels import _vma
-from pallas_kernels._platform import AttentionBlocks
+from pallas_kernels import platform
+from pallas_kernels import vma
+from pallas_kernels.platform import AttentionBlocks
 
 LN2 = math.log(2.0)
 # The 'tiles' backward holds dS between its two kernels (at B=1, T=32768, 8 heads, bf16, causal: 8.6 GB); past
@@ -127,7 +127,7 @@ def _flash_bwd(cfg: _Config, res, cotangents):
         dk, dv = kern.backward_dkv(q, k, v, do, lse2, delta, *masks, dkv_ranges, scale=cfg.scale, blocks=b)
     # Inside shard_map the kernels ran on values varying over every input's mesh axes: a gradient is summed over
     # the axes its primal is invariant over (e.g. K/V gathered whole onto every context-parallel device).
-    dq, dk, dv = (_vma.sum_to_type_of(g, x) for g, x in ((dq, q), (dk, k), (dv, v)))
+    dq, dk, dv = (vma.sum_to_type_of(g, x) for g, x in ((dq, q), (dk, k), (dv, v)))
     return dq, dk, dv, None, None, None, None, None
 
 
@@ -150,10 +150,10 @@ def attention_with_lse(q, k, v, *, q_positions=None, kv_positions=None, kv_valid
         raise ValueError(f"attention: need q [B,T,H,d], k = v [B,S,KV,d] with H % KV == 0; got {q.shape}, "
                          f"{k.shape}, {v.shape}")
     scale = d ** -0.5 if scale is None else float(scale)
-    blocks = (blocks or _platform.attention_blocks(d, T)).clipped(T, S)
+    blocks = (blocks or platform.attention_blocks(d, T)).clipped(T, S)
     Tp = _round_up(T, max(blocks.fwd_q, blocks.dq_q, blocks.dkv_q))
     Sp = _round_up(S, max(blocks.fwd_k, blocks.dq_k, blocks.dkv_k))
-    dp = max(16, _platform.next_pow2(d))
+    dp = max(16, platform.next_pow2(d))
     static_window = sliding_window is None or isinstance(sliding_window, (int, np.integer))
     static = static_window and all(a is None for a in (q_positions, kv_positions, kv_valid, q_segment_ids,
                                                        kv_segment_ids))

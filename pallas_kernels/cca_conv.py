@@ -17,7 +17,7 @@ the tile's partial sums of d w1 and d b1. All partial sums are added afterwards 
 
 Shifted reads are row gathers clamped into the array and zeroed outside it (nothing is padded or copied); the last
 tile's stores are masked. Inside shard_map (check_vma) the kernels run on inputs made varying over all their axes, and
-the weight gradients are summed back to their primals' types (`_vma`).
+the weight gradients are summed back to their primals' types (`vma`).
 
 Measured and dropped: kernel B recomputing d y_j = d out . w2_j for its rows (five small matmuls and the head's
 w2 taps per tile) instead of kernel A storing it: fwd+bwd 0.321 against 0.272 ms on the H200 at B=2, T=4096
@@ -36,9 +36,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import _platform
-from pallas_kernels import _vma
-from zaya_jax.ops.cca_conv import halo, tap_offset
+from pallas_kernels import platform
+from pallas_kernels import vma
+from pallas_kernels.cca_conv_taps import halo, tap_offset
 
 F32 = jnp.float32
 _NT = (((1,), (1,)), ((), ()))  # a @ bᵀ
@@ -60,7 +60,7 @@ def tiles_override(head: tuple[int, int, int, int], depthwise: tuple[int, int],
     """Kernels traced inside use these (rows, forward warps, backward (A) warps, backward (A) stages) and (rows,
     warps) on this backend, and backward (A) this many programs per compute unit (the kernel benchmark times
     candidates end to end)."""
-    vendor = _platform.vendor()
+    vendor = platform.vendor()
     saved = _HEAD_TILES[vendor], _DW_TILES[vendor], _PROGRAMS_PER_CU[vendor]
     _HEAD_TILES[vendor], _DW_TILES[vendor] = head, depthwise
     _PROGRAMS_PER_CU[vendor] = programs_per_cu or saved[2]
@@ -72,11 +72,11 @@ def tiles_override(head: tuple[int, int, int, int], depthwise: tuple[int, int],
 
 def _fit_rows(rows: int, T: int) -> int:
     """A tile of at most `rows` time rows, no taller than T rounded up to a power of two (at least 16)."""
-    return min(rows, max(16, _platform.next_pow2(T)))
+    return min(rows, max(16, platform.next_pow2(T)))
 
 
 def _head_tiles(T: int) -> tuple[int, int, int, int]:
-    rows, fwd_warps, bwd_warps, bwd_stages = _HEAD_TILES[_platform.vendor()]
+    rows, fwd_warps, bwd_warps, bwd_stages = _HEAD_TILES[platform.vendor()]
     return _fit_rows(rows, T), fwd_warps, bwd_warps, bwd_stages
 
 
@@ -183,7 +183,7 @@ def _forward(xp, w1, b1, w2, b2, masks, *, heads: int):
     P = halo(t0, t1)
     T = Tp - P
     rows, warps, _, _ = _head_tiles(T)
-    x, w1t, b1f, w2t, b2f, m = _vma.vary_to_union(xp, _tap_weights(w1), b1.astype(F32), _per_tap(w2),
+    x, w1t, b1f, w2t, b2f, m = vma.vary_to_union(xp, _tap_weights(w1), b1.astype(F32), _per_tap(w2),
                                                    b2.astype(F32), masks)
     own, kv_head, group_heads = _head_specs(Tp, d, heads, G - heads, head_axis=2)
     in_specs = [own, kv_head, *group_heads,
@@ -195,20 +195,20 @@ def _forward(xp, w1, b1, w2, b2, masks, *, heads: int):
         args.append(m)
     return pl.pallas_call(
         functools.partial(_fwd_kernel, t0=t0, t1=t1, P=P, T=T, rows=rows, heads=heads, group=len(group_heads),
-                          has_seg=m is not None, precision=_platform.dot_precision(xp.dtype)),
+                          has_seg=m is not None, precision=platform.dot_precision(xp.dtype)),
         grid=(B, pl.cdiv(T, rows), G),
         in_specs=in_specs,
         out_specs=_head_spec(T, d, head_axis=2),
-        out_shape=_vma.out_struct((B, T, C), xp.dtype, x),
-        compiler_params=_platform.compiler_params(warps, 2),
-        interpret=_platform.interpret(), name="cca_qk_mix_fwd",
+        out_shape=vma.out_struct((B, T, C), xp.dtype, x),
+        compiler_params=platform.compiler_params(warps, 2),
+        interpret=platform.interpret(), name="cca_qk_mix_fwd",
     )(*args)
 
 
 def _tap_weights(w1):
     """[C, t0] -> [t0', C] fp32 (t0' = t0 rounded up to a power of two, a Triton block dimension)."""
     t0 = w1.shape[1]
-    return jnp.pad(w1.astype(F32).T, ((0, _platform.next_pow2(t0) - t0), (0, 0)))
+    return jnp.pad(w1.astype(F32).T, ((0, platform.next_pow2(t0) - t0), (0, 0)))
 
 
 def _per_tap(w2):
@@ -256,9 +256,9 @@ def _backward_grouped(xp, w1, b1, w2, masks, dout):
     T = Tp - P
     rows, _, warps, stages = _head_tiles(T)
     n_tiles = pl.cdiv(T, rows)
-    per_cu = _PROGRAMS_PER_CU[_platform.vendor()]
-    chunks = max(1, min(n_tiles, math.ceil(per_cu * _platform.compute_units() / (B * G * t1))))
-    x, do, w1t, b1f, w2t, m = _vma.vary_to_union(xp, dout, _tap_weights(w1), b1.astype(F32), _per_tap(w2), masks)
+    per_cu = _PROGRAMS_PER_CU[platform.vendor()]
+    chunks = max(1, min(n_tiles, math.ceil(per_cu * platform.compute_units() / (B * G * t1))))
+    x, do, w1t, b1f, w2t, m = vma.vary_to_union(xp, dout, _tap_weights(w1), b1.astype(F32), _per_tap(w2), masks)
     in_specs = [_head_spec(Tp, d, head_axis=1), _head_spec(T, d, head_axis=1),
                 pl.BlockSpec((w1t.shape[0], d), lambda n, g, c, j: (0, g)),
                 pl.BlockSpec((d,), lambda n, g, c, j: (g,)),
@@ -270,18 +270,18 @@ def _backward_grouped(xp, w1, b1, w2, masks, dout):
     out_specs = [pl.BlockSpec((None, None, T, d), lambda n, g, c, j: (j, n, 0, g)),
                  pl.BlockSpec((None, None, None, None, d, d), lambda n, g, c, j: (n, c, j, g, 0, 0)),
                  pl.BlockSpec((None, None, d), lambda n, g, c, j: (n, c, g))]
-    out_shape = [_vma.out_struct((t1, B, T, C), xp.dtype, x), _vma.out_struct((B, chunks, t1, G, d, d), F32, x),
-                 _vma.out_struct((B, chunks, C), F32, x)]
+    out_shape = [vma.out_struct((t1, B, T, C), xp.dtype, x), vma.out_struct((B, chunks, t1, G, d, d), F32, x),
+                 vma.out_struct((B, chunks, C), F32, x)]
     dy, dw2, db2 = pl.pallas_call(
         functools.partial(_bwd_grouped_kernel, t0=t0, t1=t1, P=P, T=T, rows=rows, chunks=chunks,
-                          has_seg=m is not None, precision=_platform.dot_precision(xp.dtype)),
+                          has_seg=m is not None, precision=platform.dot_precision(xp.dtype)),
         grid=(B, G, chunks, t1),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
         # one stage by default: 1-3 measured within 4% of the op on the H200 (benchmarks/cca_qk_mix_stages_h200.json)
-        compiler_params=_platform.compiler_params(warps, stages),
-        interpret=_platform.interpret(), name="cca_qk_mix_bwd_grouped",
+        compiler_params=platform.compiler_params(warps, stages),
+        interpret=platform.interpret(), name="cca_qk_mix_bwd_grouped",
     )(*args)
     return dy, jnp.moveaxis(dw2.sum(axis=(0, 1)), 0, -1), db2.sum(axis=(0, 1))
 
@@ -337,10 +337,10 @@ def _backward_depthwise(xp, w1, masks, dy, dout, *, heads: int, num_heads: int):
     T, t0, t1 = dout.shape[1], w1.shape[1], dy.shape[0]
     P = Tp - T
     G, d = num_heads, C // num_heads
-    rows, warps = _DW_TILES[_platform.vendor()]
+    rows, warps = _DW_TILES[platform.vendor()]
     rows = _fit_rows(rows, T)
     nU = pl.cdiv(Tp, rows)
-    x, w, m, g, do = _vma.vary_to_union(xp, _tap_weights(w1), masks, dy, dout)
+    x, w, m, g, do = vma.vary_to_union(xp, _tap_weights(w1), masks, dy, dout)
     own, kv_head, group_heads = _head_specs(T, d, heads, G - heads, head_axis=2)
     in_specs = ([_head_spec(Tp, d, head_axis=2),
                  pl.BlockSpec((w.shape[0], d), lambda n, i, h: (0, h))]
@@ -357,9 +357,9 @@ def _backward_depthwise(xp, w1, masks, dy, dout, *, heads: int, num_heads: int):
         grid=(B, nU, G),
         in_specs=in_specs,
         out_specs=[_head_spec(Tp, d, head_axis=2)] + [part] * (1 + t0),
-        out_shape=[_vma.out_struct((B, Tp, C), xp.dtype, x)] + [_vma.out_struct((B, nU, C), F32, x)] * (1 + t0),
-        compiler_params=_platform.compiler_params(warps, 1),
-        interpret=_platform.interpret(), name="cca_qk_mix_bwd_depthwise",
+        out_shape=[vma.out_struct((B, Tp, C), xp.dtype, x)] + [vma.out_struct((B, nU, C), F32, x)] * (1 + t0),
+        compiler_params=platform.compiler_params(warps, 1),
+        interpret=platform.interpret(), name="cca_qk_mix_bwd_depthwise",
     )(*args)
     return outs[0], jnp.stack([p.sum(axis=(0, 1)) for p in outs[2:]], axis=1), outs[1].sum(axis=(0, 1))
 
@@ -378,9 +378,9 @@ def _mix_bwd(heads, res, dout):
     xp, w1, b1, w2, b2, masks = res
     dy, dw2, db2 = _backward_grouped(xp, w1, b1, w2, masks, dout)
     dx, dw1, db1 = _backward_depthwise(xp, w1, masks, dy, dout, heads=heads, num_heads=w2.shape[0])
-    return (_vma.sum_to_type_of(dx, xp), _vma.sum_to_type_of(dw1.astype(w1.dtype), w1),
-            _vma.sum_to_type_of(db1.astype(b1.dtype), b1), _vma.sum_to_type_of(dw2.astype(w2.dtype), w2),
-            _vma.sum_to_type_of(db2.astype(b2.dtype), b2), None if masks is None else jnp.zeros_like(masks))
+    return (vma.sum_to_type_of(dx, xp), vma.sum_to_type_of(dw1.astype(w1.dtype), w1),
+            vma.sum_to_type_of(db1.astype(b1.dtype), b1), vma.sum_to_type_of(dw2.astype(w2.dtype), w2),
+            vma.sum_to_type_of(db2.astype(b2.dtype), b2), None if masks is None else jnp.zeros_like(masks))
 
 
 _mix.defvjp(_mix_fwd, _mix_bwd)
@@ -391,7 +391,7 @@ def _masks(same_segment, P: int):
     if same_segment is None or P == 0:
         return None
     rows = [same_segment[s].astype(F32) for s in range(1, P + 1)]
-    rows += [jnp.zeros_like(rows[0])] * (_platform.next_pow2(P) - P)
+    rows += [jnp.zeros_like(rows[0])] * (platform.next_pow2(P) - P)
     return jnp.stack(rows)
 
 

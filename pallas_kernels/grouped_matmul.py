@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _grouped_kernels as kern
-from pallas_kernels import _platform, _vma
+from pallas_kernels import platform, vma
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +58,7 @@ class GroupedTiling:
     def fitted(self, n_in: int, n_out: int) -> GroupedTiling:
         """Tiles no wider than the (power-of-two rounded) matrix, never below 16 (Triton's smallest dot)."""
         def fit(block, n):
-            return max(16, min(block, _platform.next_pow2(n)))
+            return max(16, min(block, platform.next_pow2(n)))
         return dataclasses.replace(
             self, fwd_n=fit(self.fwd_n, n_out), fwd_k=fit(self.fwd_k, n_in), dgrad_n=fit(self.dgrad_n, n_in),
             dgrad_k=fit(self.dgrad_k, n_out), wgrad_n=fit(self.wgrad_n, n_out), wgrad_k=fit(self.wgrad_k, n_in))
@@ -89,7 +89,7 @@ def default_tiling(dtype) -> GroupedTiling:
 
 
 def _default_tiling(dtype) -> GroupedTiling:
-    vendor = _platform.vendor()
+    vendor = platform.vendor()
     if vendor == "cpu":  # interpret mode: small tiles keep the interpreter quick and exercise several tiles
         return GroupedTiling(block_rows=16, group_rows=2, fwd_n=16, fwd_k=16, fwd_warps=4, fwd_stages=1,
                              dgrad_n=16, dgrad_k=16, dgrad_warps=4, dgrad_stages=1, wgrad_n=16, wgrad_k=16,
@@ -136,7 +136,7 @@ def _wgrad(dy, x, tile_group, num_groups: int, t: GroupedTiling, interpret: bool
 # are made varying like the tokens, and their gradients summed back over those axes in the backward.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _gmm(x, w, tile_group, tiling, interpret):
-    return _forward(*_vma.vary_to_union(x, w, tile_group), tiling, interpret)
+    return _forward(*vma.vary_to_union(x, w, tile_group), tiling, interpret)
 
 
 def _gmm_fwd(x, w, tile_group, tiling, interpret):
@@ -145,10 +145,10 @@ def _gmm_fwd(x, w, tile_group, tiling, interpret):
 
 def _gmm_bwd(tiling, interpret, res, dy):
     x, w, tile_group = res
-    xv, wv, tgv, dy = _vma.vary_to_union(x, w, tile_group, dy.astype(x.dtype))
+    xv, wv, tgv, dy = vma.vary_to_union(x, w, tile_group, dy.astype(x.dtype))
     dx = _dgrad(dy, wv, tgv, tiling, interpret)
     dw = _wgrad(dy, xv, tgv, w.shape[0], tiling, interpret)
-    return _vma.sum_to_type_of(dx, x), _vma.sum_to_type_of(dw, w), None
+    return vma.sum_to_type_of(dx, x), vma.sum_to_type_of(dw, w), None
 
 
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
@@ -175,11 +175,11 @@ def grouped_matmul(x, w, tile_group, *, tiling: GroupedTiling | None = None, int
     t = (tiling or default_tiling(x.dtype)).fitted(n_in, n_out)
     # the wgrad row step must divide the row tile (both multiples of 16, the step a power of two)
     t = dataclasses.replace(t, wgrad_rows=math.gcd(t.wgrad_rows, x.shape[0] // tile_group.shape[0]))
-    interpret = _platform.interpret() if interpret is None else interpret
+    interpret = platform.interpret() if interpret is None else interpret
     in_multiple = max(t.fwd_k, t.dgrad_n, t.wgrad_k)  # every block that walks `in` divides it (powers of two)
     out_multiple = max(t.fwd_n, t.dgrad_k, t.wgrad_n)
-    xp = _platform.pad_to_multiple(x, 1, in_multiple)
-    wp = _platform.pad_to_multiple(_platform.pad_to_multiple(w, 2, in_multiple), 1, out_multiple)
+    xp = platform.pad_to_multiple(x, 1, in_multiple)
+    wp = platform.pad_to_multiple(platform.pad_to_multiple(w, 2, in_multiple), 1, out_multiple)
     y = _gmm(xp, wp, tile_group.astype(jnp.int32), t, interpret)
     return y[:, :n_out]
 
@@ -202,13 +202,13 @@ def grouped_wgrad_sum(total, dys, xs, tile_groups, *, tiling: GroupedTiling | No
     t = (tiling or default_tiling(xs[0].dtype)).fitted(n_in, n_out)
     bm = xs[0].shape[0] // tile_groups[0].shape[0]
     t = dataclasses.replace(t, wgrad_rows=math.gcd(t.wgrad_rows, bm))
-    interpret = _platform.interpret() if interpret is None else interpret
+    interpret = platform.interpret() if interpret is None else interpret
     if n_in % t.wgrad_k or n_out % t.wgrad_n:
         raise ValueError(f"grouped_wgrad_sum: [{n_out}, {n_in}] is not whole ({t.wgrad_n}, {t.wgrad_k}) tiles")
     tiles = [group_tiles(tg.astype(jnp.int32), E) for tg in tile_groups]
     start = jnp.stack([s for s, _ in tiles])
     count = jnp.stack([c for _, c in tiles])
-    args = _vma.vary_to_union(total.astype(jnp.float32), start, count, *dys, *xs)
+    args = vma.vary_to_union(total.astype(jnp.float32), start, count, *dys, *xs)
     total, start, count, rest = args[0], args[1], args[2], args[3:]
     return kern.group_wgrad(rest[:len(dys)], rest[len(dys):], start, count, block_rows=bm, block_n=t.wgrad_n,
                             block_k=t.wgrad_k, rows_step=t.wgrad_rows, num_warps=t.wgrad_warps,

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _norm_kernels as kern
-from pallas_kernels._vma import sum_to_type_of
+from pallas_kernels.vma import sum_to_type_of
 
 F32 = jnp.float32
 

@@ -8,7 +8,7 @@ Triton lowering).
 The chunked head loss (zaya_jax/model/loss.py) forms the gradient of each chunk of logits right after the head GEMM.
 Here one program walks one row twice: an online max / sum-exp pass, then a pass (from the row's end back) that writes
 the gradient and picks up the target logit: two reads and one write of the logits. On the H200 (4096 x 262272 bf16,
-launch/bench_ce.py): 1.82 ms, 0.86 of copy bandwidth, against 2.45 ms for XLA's fusions of the same reference
+benchmarks/bench_ce.py): 1.82 ms, 0.86 of copy bandwidth, against 2.45 ms for XLA's fusions of the same reference
 (benchmarks/ce_h200.json), before the reversed second pass.
 
 Rows are [V] vectors read in power-of-two blocks with the tail masked, so any V works (ZAYA1: 262272). Statistics are
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import _platform, _vma
+from pallas_kernels import platform, vma
 
 F32 = jnp.float32
 NEG = -1.0e30  # masked tail entries: exp(NEG - max) == 0 without inf arithmetic
@@ -95,10 +95,10 @@ def _xent_kernel(x_ref, t_ref, w_ref, loss_ref, d_ref, *, vocab: int, block: int
 def default_launch(vocab: int) -> XentLaunch:
     """Per platform. The interpreter takes small blocks (several per row in the tests); ROCm's 64-lane wavefronts
     take half the warps for as many lanes (untuned there)."""
-    vendor = _platform.vendor()
+    vendor = platform.vendor()
     if vendor == "cpu":
-        return XentLaunch(block=min(_platform.next_pow2(vocab), 512), num_warps=4, prefetch=1)
-    launch = XentLaunch(block=min(_platform.next_pow2(vocab), 4096))
+        return XentLaunch(block=min(platform.next_pow2(vocab), 512), num_warps=4, prefetch=1)
+    launch = XentLaunch(block=min(platform.next_pow2(vocab), 4096))
     return dataclasses.replace(launch, num_warps=max(1, launch.num_warps // 2)) if vendor == "rocm" else launch
 
 
@@ -112,7 +112,7 @@ def softmax_xent(logits, targets, weights, launch: XentLaunch | None = None):
     launch = launch or default_launch(vocab)
     if launch.block & (launch.block - 1) or launch.prefetch < 0:
         raise ValueError(f"XentLaunch needs a power-of-two block and prefetch >= 0, got {launch}")
-    logits, targets, weights = _vma.vary_to_union(logits, targets.astype(jnp.int32), weights.astype(F32))
+    logits, targets, weights = vma.vary_to_union(logits, targets.astype(jnp.int32), weights.astype(F32))
     row = pl.BlockSpec((None, vocab), lambda i: (i, 0))
     one = pl.BlockSpec((1,), lambda i: (i,))
     loss, d_logits = pl.pallas_call(
@@ -121,9 +121,9 @@ def softmax_xent(logits, targets, weights, launch: XentLaunch | None = None):
         grid=(n,),
         in_specs=[row, one, one],
         out_specs=[one, row],
-        out_shape=[_vma.out_struct((n,), F32, logits), _vma.out_struct((n, vocab), logits.dtype, logits)],
-        compiler_params=_platform.compiler_params(launch.num_warps, 1),
-        interpret=_platform.interpret(), name="softmax_xent",
+        out_shape=[vma.out_struct((n,), F32, logits), vma.out_struct((n, vocab), logits.dtype, logits)],
+        compiler_params=platform.compiler_params(launch.num_warps, 1),
+        interpret=platform.interpret(), name="softmax_xent",
     )(logits, targets, weights)
     return loss, d_logits
 

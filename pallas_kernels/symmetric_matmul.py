@@ -38,7 +38,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pallas_kernels import _platform
+from pallas_kernels import platform
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +73,7 @@ class GramTiling:
 
 
 def default_tiling(dtype) -> GramTiling:
-    vendor = _platform.vendor()
+    vendor = platform.vendor()
     if vendor == "cpu":  # interpret mode: small tiles keep the interpreter quick and exercise several tiles
         return GramTiling(tile=32, tile_k=16, num_warps=4, num_stages=1)
     if jnp.dtype(dtype).itemsize >= 4:  # fp32 tiles take twice the shared memory per stage
@@ -81,7 +81,7 @@ def default_tiling(dtype) -> GramTiling:
     else:  # fastest of the H200 sweep on 8 x 2048x2048 (benchmarks/muon_h200.json): 128x128 tiles, k 64, and the
         # last partial wave split in halves with 2 programs resident per SM
         tiling = GramTiling(tile=128, tile_k=64, num_warps=4, num_stages=3,
-                            tail_slots=2 * _platform.compute_units() if vendor == "cuda" else 0)
+                            tail_slots=2 * platform.compute_units() if vendor == "cuda" else 0)
     if vendor == "rocm":  # 64-lane wavefronts: half the warps for as many lanes; AMD's pipeliner wants <= 2 stages
         tiling = dataclasses.replace(tiling, num_warps=max(1, tiling.num_warps // 2),
                                      num_stages=min(2, tiling.num_stages))
@@ -200,7 +200,7 @@ def symmetric_gram(x, addend=None, *, alpha: float = 1.0, beta: float = 1.0, dia
     if addend is not None and addend.shape != x.shape[:-1] + (x.shape[-2],):
         raise ValueError(f"addend must have shape {x.shape[:-1] + (x.shape[-2],)}, got {addend.shape}")
     tiling = tiling or default_tiling(x.dtype)
-    interpret = _platform.interpret() if interpret is None else interpret
+    interpret = platform.interpret() if interpret is None else interpret
     config = (float(alpha), float(beta), float(diag), tiling, bool(interpret))
     if addend is None:
         return _gram_partitioned(x, config)
@@ -216,10 +216,10 @@ def _gram_local(x, addend, config):
     tile = min(tiling.tile, tile_cols)
     tile_k = min(tiling.tile_k, max(16, pl.next_power_of_2(k)))
     xb = x.reshape((math.prod(batch), m, k))
-    xb = _platform.pad_to_multiple(_platform.pad_to_multiple(xb, 1, tile_cols), 2, tile_k)
+    xb = platform.pad_to_multiple(platform.pad_to_multiple(xb, 1, tile_cols), 2, tile_k)
     _, mp, kp = xb.shape
     num_col_blocks = mp // tile_cols
-    precision = _platform.dot_precision(x.dtype)
+    precision = platform.dot_precision(x.dtype)
     wide = tile_cols // tile
     per_matrix = (num_upper_tiles(num_col_blocks, wide) if tiling.upper_only
                   else (mp // tile) * num_col_blocks)
@@ -237,7 +237,7 @@ def _gram_local(x, addend, config):
     square = pl.BlockSpec((None, mp, mp), matrix_of)
     operands, in_specs = [xb], [pl.BlockSpec((None, mp, kp), matrix_of)]
     if addend is not None:
-        operands.append(_platform.pad_to_multiple(_platform.pad_to_multiple(addend.reshape((xb.shape[0], m, m)), 1, tile_cols), 2, tile_cols))
+        operands.append(platform.pad_to_multiple(platform.pad_to_multiple(addend.reshape((xb.shape[0], m, m)), 1, tile_cols), 2, tile_cols))
         in_specs.append(square)
     out = pl.pallas_call(
         kernel,

@@ -1,4 +1,4 @@
-"""The training benchmark's modules on the CPU (zaya_jax/train/bench*.py): variant selection, the memory searches'
+"""The training benchmark's modules on the CPU (benchmarks/training/bench*.py): variant selection, the memory searches'
 walk, the report's ratios and HF's derived accumulation figure, the HF process driver, a run of the main,
 breakdown and accumulation programs end to end, a rejected config override reported per variant, and the train
 state rebuilt after a failed call consumed its donated buffers."""
@@ -13,11 +13,11 @@ import types
 import jax
 import pytest
 
-from zaya_jax.train import bench, bench_hf, bench_report
-from zaya_jax.train.bench_hf_driver import HFProcess
-from zaya_jax.train.bench_runner import Runner
-from zaya_jax.train.bench_timing import Clock
-from zaya_jax.train.bench_variants import (
+from benchmarks.training import bench, bench_hf, bench_report
+from benchmarks.training.bench_hf_driver import HFProcess
+from benchmarks.training.bench_runner import Runner
+from benchmarks.training.bench_timing import Clock
+from benchmarks.training.bench_variants import (
     Search,
     Variant,
     default_variants,
@@ -81,9 +81,9 @@ def test_the_ce_chunk_option_leaves_the_other_side_of_an_ab_alone():
 def test_moe_tiling_variants_replace_real_fields_and_only_while_tracing(monkeypatch):
     """The *_moe_prev_tiles / *_moe_rows64 A/B variants name GroupedTiling fields; the override holds inside the
     context only and gives the H200 another tiling than the default."""
-    from pallas_kernels import _platform
+    from pallas_kernels import platform
     from pallas_kernels import grouped_matmul as gk
-    monkeypatch.setattr(_platform, "vendor", lambda: "cuda")
+    monkeypatch.setattr(platform, "vendor", lambda: "cuda")
     by_name = {v.name: v for v in extra_variants(2, 4096, True)}
     prev = dict(by_name["accum16_moe_prev_tiles"].moe_tiling)
     assert prev and dict(by_name["fwd_bwd_moe_prev_tiles"].moe_tiling) == prev
@@ -205,7 +205,7 @@ def test_report_ratios_and_derived_hf_accumulation():
 def test_profile_sources_name_the_model_line_that_emitted_each_op():
     import jax.numpy as jnp
     from zaya_jax.ops.rmsnorm import rms_norm_reference
-    from zaya_jax.train import bench_profile
+    from benchmarks.training import bench_profile
     x, w = jnp.ones((4, 8)), jnp.ones((8,))
     text = jax.jit(lambda x, w: rms_norm_reference(x, w, 1e-6)).lower(x, w).compile().as_text()
     sources = bench_profile.hlo_sources(text)
@@ -296,7 +296,7 @@ def test_stream_gaps_count_the_idle_time_before_each_kernel():
     """The busiest stream's idle time is attributed to the kernel that ends each wait; overlapping events on the
     stream do not count as idle."""
     from types import SimpleNamespace as NS
-    from zaya_jax.train import bench_profile
+    from benchmarks.training import bench_profile
     ev = lambda name, start, end: NS(name=name, start_ns=start * 1_000_000, end_ns=end * 1_000_000)
     stream = NS(name="Stream #1", events=[ev("nvjet_gemm", 0, 10), ev("cca_attention_fwd", 14, 20),
                                           ev("loop_fusion", 18, 22), ev("cca_attention_fwd", 30, 31)])

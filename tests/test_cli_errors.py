@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from configs.default import get_config
-from launch import characterize, generate, prepare_data, size_model, supervise
+from benchmarks import characterize, size_model
+from launch import generate, prepare_data, supervise
 from launch._cli import EXIT_USER_ERROR
 from zaya_jax.fault.supervisor import Supervisor, SupervisorConfig
 from zaya_jax.train import loop
@@ -46,11 +47,11 @@ def test_values_that_cannot_work_are_refused_before_a_model_is_built(key, value,
 def test_argparse_commands_report_mistakes_in_one_line(tmp_path, capsys):
     one_line_exit(capsys, generate.main, ["--checkpoint", str(tmp_path), "--prompt", "a", "--temperature", "nan"],
                   "launch.generate", "temperature")
-    one_line_exit(capsys, size_model.main, ["--hardware", "h300"], "launch.size_model", "h300")
-    one_line_exit(capsys, size_model.main, ["--model", "zaya9"], "launch.size_model", "zaya9")
+    one_line_exit(capsys, size_model.main, ["--hardware", "h300"], "benchmarks.size_model", "h300")
+    one_line_exit(capsys, size_model.main, ["--model", "zaya9"], "benchmarks.size_model", "zaya9")
     one_line_exit(capsys, prepare_data.main, ["x.txt", "--holdout-every", "two"], "launch.prepare_data", "two")
     one_line_exit(capsys, characterize.main, ["gemm", "--model", "zaya9", "--out", str(tmp_path)],
-                  "launch.characterize", "zaya9")
+                  "benchmarks.characterize", "zaya9")
     one_line_exit(capsys, supervise.main, ["--max-restarts", "1"], "launch.supervise", "after --")
 
 

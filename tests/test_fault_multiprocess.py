@@ -7,8 +7,8 @@ the group, which restarts whole.
 Marked slow (`./run.sh test -m slow`), the real trainers: 2 processes x 2 emulated CPU devices, one of them killed
 with SIGKILL mid-run; the whole group restarts from the latest checkpoint and ends at the losses of its own first
 attempt at the first steps after the resume. And the uninterrupted 4-device run's mid-run checkpoint, resumed on 2
-devices, continues with that run's losses. Runs through zaya_jax/systems/scaling_runs.py, the code of
-`launch.scaling`'s restore and supervisor parts (launch.train, and launch.train under launch.supervise --nproc 2).
+devices, continues with that run's losses. Runs through benchmarks/systems/scaling_runs.py, the code of
+`benchmarks.scaling`'s restore and supervisor parts (launch.train, and launch.train under launch.supervise --nproc 2).
 The default run checks their parts at smaller scale: 2 processes joining one jax.distributed job and reducing over
 nodes and rails (tests/test_parallel_distributed.py), checkpoints resuming on fewer devices
 (tests/test_parallel_train.py, tests/test_train.py), a killed stand-in trainer restarted by the supervisor from its
@@ -23,7 +23,7 @@ import pytest
 
 from zaya_jax.fault.group import GroupError, GroupSpec, rank_env
 from zaya_jax.fault.supervisor import Supervisor, SupervisorConfig
-from zaya_jax.systems.scaling_runs import (
+from benchmarks.systems.scaling_runs import (
     RunPlan,
     reference,
     restore_on_fewer,

@@ -11,7 +11,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import _attention_blocks as blocks_lib
-from pallas_kernels import _platform, _vma
+from pallas_kernels import platform, vma
 from pallas_kernels import cca_attention as pk
 from zaya_jax.ops import attention as ops
 
@@ -64,7 +64,7 @@ def _check(q, k, v, do, dtype, blocks=None, **kw):
                                                        (jnp.float32, 1, 4, "tiles"), (jnp.bfloat16, 2, 2, "tiles")])
 def test_causal_gqa(dtype, dkv_split, heads, bwd):
     q, k, v, do = _qkv(0, 2, 45, 45, 8, 2, 32, dtype)
-    blocks = dataclasses.replace(_platform.attention_blocks(32), dkv_split=dkv_split, fwd_heads=heads,
+    blocks = dataclasses.replace(platform.attention_blocks(32), dkv_split=dkv_split, fwd_heads=heads,
                                  dq_heads=heads, dkv_heads=heads, bwd=bwd)
     _check(q, k, v, do, dtype, blocks=blocks)
 
@@ -81,7 +81,7 @@ def _shift_check(q, k, v, do, **kw):
     q, k, v, do = (x.astype(jnp.bfloat16) for x in (q, k, v, do))
     want = _upcast_reference(q, k, v, do, kw)
     for shift in ("bound", "online"):
-        blocks = dataclasses.replace(_platform.attention_blocks(16), fwd_shift=shift)
+        blocks = dataclasses.replace(platform.attention_blocks(16), fwd_shift=shift)
         got = _fwd_bwd(functools.partial(pk.attention, blocks=blocks), q, k, v, do, kw)
         errs = {name: rel_err(a, b) for name, a, b in zip(("o", "dq", "dk", "dv"), got, want)}
         assert max(errs.values()) <= TOL[jnp.bfloat16], (shift, errs)
@@ -112,7 +112,7 @@ def test_bound_shift_when_every_logit_sits_at_minus_the_bound():
     assert 0.9 * pk.kern.BOUND_SHIFT_MAX < bound <= pk.kern.BOUND_SHIFT_MAX
     ref_o, ref_lse = ops.attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), return_lse=True)
     assert float(ref_lse.max()) < -0.8 * bound * np.log(2)  # every logit far below the shift
-    o, lse = jax.jit(functools.partial(pk.attention_with_lse, blocks=_platform.attention_blocks(16)))(q, k, v)
+    o, lse = jax.jit(functools.partial(pk.attention_with_lse, blocks=platform.attention_blocks(16)))(q, k, v)
     assert rel_err(o, ref_o) <= TOL[jnp.bfloat16]
     assert float(jnp.abs(lse - ref_lse).max()) <= 1e-4
 
@@ -135,20 +135,20 @@ def test_sliding_window_segments_and_padding(bwd):
     q, k, v, do = _qkv(3, B, T, T, 4, 2, 16, jnp.float32)
     seg = jnp.array([[0] * 20 + [1] * 28, [0] * 7 + [1] * 30 + [2] * 11], jnp.int32)
     valid = jnp.ones((B, T), bool).at[1, 40:].set(False)  # right padding in the second row
-    blocks = dataclasses.replace(_platform.attention_blocks(16), bwd=bwd)
+    blocks = dataclasses.replace(platform.attention_blocks(16), bwd=bwd)
     _check(q, k, v, do, jnp.float32, blocks=blocks, sliding_window=9)
     _check(q, k, v, do, jnp.float32, blocks=blocks, q_segment_ids=seg, kv_valid=valid)
 
 
 def test_backward_choice_is_checked_and_long_sequences_get_their_row(monkeypatch):
     with pytest.raises(ValueError, match="bwd='fused'"):
-        _platform.AttentionBlocks(bwd="fused")
+        platform.AttentionBlocks(bwd="fused")
     with pytest.raises(ValueError, match="fwd_shift='max'"):
-        _platform.AttentionBlocks(fwd_shift="max")
-    monkeypatch.setattr(_platform, "vendor", lambda: "cuda")
-    threshold, fields = _platform._ATTENTION_LONG["cuda"]
-    short, long = _platform.attention_blocks(128, threshold - 1), _platform.attention_blocks(128, threshold)
-    assert short == _platform._ATTENTION["cuda"]
+        platform.AttentionBlocks(fwd_shift="max")
+    monkeypatch.setattr(platform, "vendor", lambda: "cuda")
+    threshold, fields = platform._ATTENTION_LONG["cuda"]
+    short, long = platform.attention_blocks(128, threshold - 1), platform.attention_blocks(128, threshold)
+    assert short == platform._ATTENTION["cuda"]
     assert long == dataclasses.replace(short, **fields) and long != short
 
 
@@ -160,7 +160,7 @@ def test_zigzag_positions_and_chunk_of_queries(bwd):
     S, C = 64, 16
     q, k, v, do = _qkv(4, 1, 2 * C, S, 4, 2, 16, jnp.float32)
     q_pos = jnp.concatenate([jnp.arange(C, 2 * C), jnp.arange(S - 2 * C, S - C)])[None]
-    blocks = dataclasses.replace(_platform.attention_blocks(16), bwd=bwd)
+    blocks = dataclasses.replace(platform.attention_blocks(16), bwd=bwd)
     _check(q, k, v, do, jnp.float32, blocks=blocks, q_positions=q_pos, kv_positions=jnp.arange(S)[None],
            sliding_window=jnp.int32(29))
 
@@ -171,18 +171,18 @@ def test_query_tile_whose_key_blocks_are_not_contiguous(bwd):
     3 but not 1, whose own loop never reaches that tile (so with 'tiles' it wrote no dS tile there)."""
     q, k, v, do = _qkv(16, 1, 128, 128, 4, 2, 16, jnp.float32)
     seg = jnp.array([[0] * 32 + [1] * 32 + [0] * 64], jnp.int32)
-    blocks = dataclasses.replace(_platform.attention_blocks(16), bwd=bwd)
+    blocks = dataclasses.replace(platform.attention_blocks(16), bwd=bwd)
     _check(q, k, v, do, jnp.float32, blocks=blocks, q_segment_ids=seg)
 
 
 def test_tiles_backward_takes_the_split_path_past_its_memory_cap(monkeypatch):
-    monkeypatch.setattr(_platform, "interpret", lambda: False)
+    monkeypatch.setattr(platform, "interpret", lambda: False)
     args = _sharded_inputs(15, 1, 8 * 64, 4, 2, 16, jnp.bfloat16)
-    blocks = dataclasses.replace(_platform.attention_blocks(16, 64), bwd="tiles")
+    blocks = dataclasses.replace(platform.attention_blocks(16, 64), bwd="tiles")
     fn = _sharded_grads(functools.partial(pk.attention_with_lse, blocks=blocks), "q")
-    assert 'name = "cca_attention_dq_tiles"' in _vma.lower_in_shard_map_for_cuda(fn, args, **SHARD_SPECS["q"])
+    assert 'name = "cca_attention_dq_tiles"' in vma.lower_in_shard_map_for_cuda(fn, args, **SHARD_SPECS["q"])
     monkeypatch.setattr(pk, "TILES_MAX_BYTES", 0)
-    text = _vma.lower_in_shard_map_for_cuda(fn, args, **SHARD_SPECS["q"])
+    text = vma.lower_in_shard_map_for_cuda(fn, args, **SHARD_SPECS["q"])
     assert 'name = "cca_attention_dq"' in text and "dq_tiles" not in text
 
 
@@ -318,11 +318,11 @@ def _sharded_inputs(seed, B, T, H, KV, d, dtype):
                                          ("atomic", ("cca_attention_bwd_fused",)),
                                          ("tiles", ("cca_attention_dkv", "cca_attention_dq_tiles"))])
 def test_fwd_bwd_lower_for_cuda_inside_shard_map(monkeypatch, bwd, kernels, chunked, summed):
-    monkeypatch.setattr(_platform, "interpret", lambda: False)
-    blocks = dataclasses.replace(_platform.attention_blocks(16, 64), bwd=bwd)
+    monkeypatch.setattr(platform, "interpret", lambda: False)
+    blocks = dataclasses.replace(platform.attention_blocks(16, 64), bwd=bwd)
     args = _sharded_inputs(13, 2, 8 * 64, 4, 2, 16, jnp.bfloat16)
     fn = _sharded_grads(functools.partial(pk.attention_with_lse, blocks=blocks), chunked)
-    text = _vma.lower_in_shard_map_for_cuda(fn, args, **SHARD_SPECS[chunked])
+    text = vma.lower_in_shard_map_for_cuda(fn, args, **SHARD_SPECS[chunked])
     kernels = ("cca_attention_fwd_bound", "cca_attention_fwd_fallback") + kernels  # bf16: the bound forward
     assert text.count("__gpu$xla.gpu.triton") == len(kernels)
     for name in kernels:
@@ -354,7 +354,7 @@ def test_gpu_attention_masks_and_positions(bwd):
     seg = jnp.repeat(jnp.arange(4, dtype=jnp.int32), 250)[None].repeat(B, 0)
     valid = jnp.ones((B, T), bool).at[1, 900:].set(False)
     pos = jnp.arange(T, dtype=jnp.int32)[None].repeat(B, 0)
-    blocks = dataclasses.replace(_platform.attention_blocks(128, T), bwd=bwd)
+    blocks = dataclasses.replace(platform.attention_blocks(128, T), bwd=bwd)
     for kw in (dict(sliding_window=256), dict(q_segment_ids=seg, kv_valid=valid, q_positions=pos, kv_positions=pos)):
         got = _fwd_bwd(functools.partial(pk.attention, blocks=blocks), q, k, v, do, kw)
         for name, a, b in zip(("o", "dq", "dk", "dv"), got, _upcast_reference(q, k, v, do, kw)):
@@ -370,7 +370,7 @@ def test_gpu_attention_masks_and_positions(bwd):
                                                  ("tiles", 16, 4), ("tiles", 64, 1)])
 def test_gpu_stacked_dkv_heads_causal_gqa(bwd, dkv_q, dkv_heads, T=2048):
     q, k, v, do = _qkv(12, 2, T, T, 8, 2, 128, jnp.bfloat16)
-    blocks = dataclasses.replace(_platform.attention_blocks(128, T), bwd=bwd, dkv_q=dkv_q, dkv_heads=dkv_heads)
+    blocks = dataclasses.replace(platform.attention_blocks(128, T), bwd=bwd, dkv_q=dkv_q, dkv_heads=dkv_heads)
     fn = functools.partial(pk.attention, blocks=blocks)
     got = _fwd_bwd(fn, q, k, v, do, {})
     errs = {name: rel_err(a, b) for name, a, b in zip(("o", "dq", "dk", "dv"), got,
@@ -390,7 +390,7 @@ def test_gpu_attention_inside_shard_map(bwd):
     n = len(jax.devices())
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
     args = _sharded_inputs(14, 2, n * 512, 8, 2, 128, jnp.bfloat16)
-    blocks = dataclasses.replace(_platform.attention_blocks(128, 512), bwd=bwd)
+    blocks = dataclasses.replace(platform.attention_blocks(128, 512), bwd=bwd)
     fn = _sharded_grads(functools.partial(pk.attention_with_lse, blocks=blocks), "q")
     inside = jax.jit(jax.shard_map(fn, mesh=mesh, **SHARD_SPECS["q"]))(*args)
     one = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))

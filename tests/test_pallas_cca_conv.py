@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from test_pallas_rmsnorm import TOL, rel_err
 
-from pallas_kernels import _platform, _vma
+from pallas_kernels import platform, vma
 from zaya_jax.model.cca import same_segment_masks
 from zaya_jax.ops.cca_conv import halo, qk_mix
 
@@ -68,8 +68,8 @@ def test_shapes_that_do_not_fit_are_rejected_and_unknown_impls_named():
 
 def test_kernels_lower_inside_shard_map_for_cuda(monkeypatch):
     """Rows sharded over 8 devices, weights replicated: the weight gradients come back summed over the rows."""
-    monkeypatch.setattr(_platform, "interpret", lambda: False)
-    monkeypatch.setattr(_platform, "vendor", lambda: "cuda")
+    monkeypatch.setattr(platform, "interpret", lambda: False)
+    monkeypatch.setattr(platform, "vendor", lambda: "cuda")
     (xp, w1, b1, w2, b2), heads, _, ct = problem(1, 8, 64, 8, 2, 128, 2, 2, False, jnp.bfloat16)
 
     def mix_and_grads(xp, w1, b1, w2, b2, ct):
@@ -79,7 +79,7 @@ def test_kernels_lower_inside_shard_map_for_cuda(monkeypatch):
         return jax.grad(loss, argnums=tuple(range(5)), has_aux=True)(xp, w1, b1, w2, b2)
 
     rows = P("data")
-    text = _vma.lower_in_shard_map_for_cuda(mix_and_grads, (xp, w1, b1, w2, b2, ct),
+    text = vma.lower_in_shard_map_for_cuda(mix_and_grads, (xp, w1, b1, w2, b2, ct),
                                             in_specs=(rows, P(), P(), P(), P(), rows),
                                             out_specs=((rows, P(), P(), P(), P()), rows))
     for name in ("cca_qk_mix_fwd", "cca_qk_mix_bwd_grouped", "cca_qk_mix_bwd_depthwise"):

@@ -334,9 +334,9 @@ def test_expert_block_lowers_for_cuda_inside_shard_map(monkeypatch):
     gradients are summed over the data axis (one all-reduce each), lowered for CUDA on this CPU."""
     from jax.sharding import PartitionSpec as P
 
-    from pallas_kernels import _platform, _vma
+    from pallas_kernels import platform, vma
     from zaya_jax.model.experts import expert_block
-    monkeypatch.setattr(_platform, "interpret", lambda: False)
+    monkeypatch.setattr(platform, "interpret", lambda: False)
     rng, _ = rng_and_seed()
     n, E, D, I = 8 * 64, 4, 64, 32
     x, wgu, wd = normal(rng, (n, D), jnp.bfloat16), normal(rng, (E, 2 * I, D), jnp.bfloat16), normal(
@@ -349,7 +349,7 @@ def test_expert_block_lowers_for_cuda_inside_shard_map(monkeypatch):
         return jax.grad(f, argnums=(0, 1, 2))(x, wgu, wd)
 
     rows = P("data")
-    text = _vma.lower_in_shard_map_for_cuda(grads, (x, index, weight, wgu, wd), in_specs=(rows, rows, rows, P(), P()),
+    text = vma.lower_in_shard_map_for_cuda(grads, (x, index, weight, wgu, wd), in_specs=(rows, rows, rows, P(), P()),
                                             out_specs=(rows, P(), P()))
     # the down GEMM's forward output is dead under this loss (its cotangent does not depend on it)
     assert re.findall(r'name = "(grouped_matmul_\w+)"', text) == [

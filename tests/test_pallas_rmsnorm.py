@@ -9,9 +9,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import _norm_kernels as kern
-from pallas_kernels import _platform, _vma
+from pallas_kernels import platform, vma
 from pallas_kernels import rmsnorm as pk
-from pallas_kernels._platform import NormLaunch
+from pallas_kernels.platform import NormLaunch
 from zaya_jax.ops import rmsnorm as ops
 
 EPS = 1e-5
@@ -162,11 +162,11 @@ def _sharded_norm_grads(x, residual, branch, dy, vecs):
 
 
 def test_fwd_bwd_lower_for_cuda_inside_shard_map(monkeypatch):
-    monkeypatch.setattr(_platform, "interpret", lambda: False)
+    monkeypatch.setattr(platform, "interpret", lambda: False)
     _, x, vecs = _inputs(6, 8 * 24, 200, jnp.bfloat16)
     residual = dy = x.astype(jnp.float32)
     rows, whole = P("data"), P()
-    text = _vma.lower_in_shard_map_for_cuda(_sharded_norm_grads, (x, residual, x[:24], dy, tuple(vecs)),
+    text = vma.lower_in_shard_map_for_cuda(_sharded_norm_grads, (x, residual, x[:24], dy, tuple(vecs)),
                                             in_specs=(rows, rows, whole, rows, whole),
                                             out_specs=(rows, rows, whole, whole))
     for name in ("rms_norm", "layer_norm", "merge_rms_norm"):

@@ -1,4 +1,4 @@
-"""`python -m launch.scaling --cpu-smoke`: the multi-GPU scaling report's code on 2 emulated CPU devices with tiny
+"""`python -m benchmarks.scaling --cpu-smoke`: the multi-GPU scaling report's code on 2 emulated CPU devices with tiny
 shapes (DP weak scaling, CP equality; the collectives sweep is tested in tests/test_systems_collectives.py, the
 restore and supervisor parts' code in tests/test_fault_multiprocess.py). Checks what each part reports, not how
 fast the CPU is.
@@ -24,7 +24,7 @@ def test_cpu_smoke_report(tmp_path):
     out = tmp_path / "scaling.json"
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir,
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
-    done = subprocess.run([sys.executable, "-m", "launch.scaling", "--cpu-smoke", "--devices", "2", "--out", str(out),
+    done = subprocess.run([sys.executable, "-m", "benchmarks.scaling", "--cpu-smoke", "--devices", "2", "--out", str(out),
                            "--parts", "dp,cp", "--workdir", str(tmp_path / "work")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
@@ -42,7 +42,7 @@ def test_cpu_smoke_report(tmp_path):
 
 def test_cudnn_attention_is_refused_on_several_devices():
     from zaya_jax.config import preset
-    from zaya_jax.systems.scaling_step import MeshStep, StepSpec
+    from benchmarks.systems.scaling_step import MeshStep, StepSpec
     cfg = preset("tiny", num_hidden_layers=1, attention_impl="cudnn")
     with pytest.raises(ValueError, match="cudnn.*use 'xla' or 'pallas'"):
         MeshStep(StepSpec(cfg, 32, 2, 2))
@@ -55,7 +55,7 @@ def _write_metrics(workdir, rows):
 
 
 def test_supervisor_verdict_uses_the_first_attempt_and_the_resume_checkpoint(tmp_path):
-    from zaya_jax.systems.scaling_runs import RunPlan, read_attempts, supervised_verdict
+    from benchmarks.systems.scaling_runs import RunPlan, read_attempts, supervised_verdict
     plan = RunPlan(steps=8, checkpoint_every=2, kill_at=5, tight_steps=2)
     ref = [(s, 3.0 - 0.1 * s) for s in range(1, 9)]
     _write_metrics(tmp_path / "ref", ref)

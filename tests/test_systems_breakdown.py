@@ -4,8 +4,8 @@ compiled step's allocation."""
 
 import pytest
 
-from zaya_jax.systems import breakdown, hlo_frames, op_classes
-from zaya_jax.systems.hlo_frames import Frame, Instruction
+from benchmarks.systems import breakdown, hlo_frames, op_classes
+from benchmarks.systems.hlo_frames import Frame, Instruction
 
 HLO = """HloModule jit_step, is_scheduled=true
 

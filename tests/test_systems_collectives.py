@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from zaya_jax.systems import collective_sweep, collectives, topology
-from zaya_jax.systems.conventions import COLLECTIVE_NAMES, bus_factor
+from benchmarks.systems import collective_sweep, collectives, topology
+from benchmarks.systems.conventions import COLLECTIVE_NAMES, bus_factor
 
 
 @pytest.fixture(scope="module")

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from zaya_jax.systems import collectives
-from zaya_jax.systems.conventions import algbw, bus_factor, busbw, per_rank_buffers
-from zaya_jax.systems.saturation import fit_latency_bandwidth, median3, saturation_point
+from benchmarks.systems import collectives
+from benchmarks.systems.conventions import algbw, bus_factor, busbw, per_rank_buffers
+from benchmarks.systems.saturation import fit_latency_bandwidth, median3, saturation_point
 
 
 def test_bus_factors_match_nccl_tests():

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from zaya_jax.config import preset
-from zaya_jax.systems import attention_sweep, gemm, hbm, hbm_pallas
-from zaya_jax.systems.saturation import saturation_point
+from benchmarks.systems import attention_sweep, gemm, hbm, hbm_pallas
+from benchmarks.systems.saturation import saturation_point
 
 
 def test_pallas_kernels_compute_what_they_claim():
@@ -101,7 +101,7 @@ def test_attention_flops_and_roofline_by_hand(tmp_path):
 
 
 def test_torch_crosscheck_says_why_it_cannot_run_here():
-    from zaya_jax.systems import crosscheck
+    from benchmarks.systems import crosscheck
     if jax.default_backend() != "cpu":
         pytest.skip("a GPU may well have torch")
     figures, why = crosscheck.torch_ceilings(timeout_s=120)

@@ -8,11 +8,11 @@ import json
 import pytest
 from flax import nnx
 
-from launch import size_model
+from benchmarks import size_model
 from zaya_jax.config import preset
 from zaya_jax.model import ZayaForCausalLM
 from zaya_jax.optim import partition
-from zaya_jax.systems import advisor, hardware, memory_check, memory_model as mm
+from benchmarks.systems import advisor, hardware, memory_check, memory_model as mm
 
 ZAYA1 = preset("zaya1_base")
 

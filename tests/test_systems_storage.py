@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from zaya_jax.systems import storage
+from benchmarks.systems import storage
 
 
 def test_paper_numbers():
@@ -25,7 +25,7 @@ def test_evaluate_flags_storage_bound_cases(tmp_path):
 
 
 def test_characterize_storage_cli(tmp_path):
-    from launch import characterize
+    from benchmarks import characterize
     assert characterize.main(["storage", "--out", str(tmp_path), "--iteration-s", "2.5"]) == 0
     saved = json.loads((tmp_path / "storage.json").read_text())
     assert saved["pages_per_iteration"] == 16_384 and saved["iops_per_sigma"] == pytest.approx(6_553.6)

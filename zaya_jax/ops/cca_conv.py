@@ -25,18 +25,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from pallas_kernels.cca_conv_taps import halo, tap_offset
+
 F32 = jnp.float32
 IMPLS = ("xla", "pallas")
-
-
-def halo(t0: int, t1: int) -> int:
-    """Columns before t = 0 that the two convolutions read (P)."""
-    return (t0 - 1) + (t1 - 1)
-
-
-def tap_offset(j: int, i: int, t0: int, t1: int) -> int:
-    """Columns back from output t that depthwise tap i feeding grouped tap j reads."""
-    return (t1 - 1 - j) + (t0 - 1 - i)
 
 
 def depthwise_taps_reference(xp, w1, b1, t1: int, same_segment=None):

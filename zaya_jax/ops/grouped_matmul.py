@@ -31,7 +31,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._vma import sum_to_type_of
+from pallas_kernels.vma import sum_to_type_of
 
 
 class TileLayout(NamedTuple):

@@ -91,7 +91,7 @@ def model_field_value(name: str, raw: str):
 
 def resolve(config: ConfigDict, open_flags: OpenFlags | None = None) -> ConfigDict:
     """Sets the open-dictionary flags on `config` and settles data.builtin (in place; returns `config`)."""
-    from zaya_jax.train.loop import TrainConfigError
+    from zaya_jax.train.errors import TrainConfigError
 
     open_flags = open_flags or OpenFlags()
     was_builtin = bool(config.data.builtin)

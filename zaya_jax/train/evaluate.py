@@ -39,30 +39,3 @@ class Evaluator:
         total = loss_sum.sum() / max(count.sum(), 1.0)
         out["eval_loss"] = total
         return out
-
-
-def evaluate_checkpoint(config, workdir: str, *, step: int | None = None, max_batches: int | None = None,
-                        log=print) -> dict[str, float]:
-    """Scores the run's checkpoint (latest, or `step`) on every held-out source; jit-compiled, any mesh.
-    `config` None: the one recorded in the run directory (run_record.py)."""
-    import os
-
-    from zaya_jax.checkpoint.manager import abstract_like
-    from zaya_jax.train import run_record
-    from zaya_jax.train.loop import checkpoint_manager, setup
-
-    if config is None:
-        config = run_record.load_config(workdir)
-    s = setup(config, log=log)
-    ckpt = checkpoint_manager(config, workdir)
-    try:
-        restored = ckpt.restore(abstract_like(s.state), step=step, expect_meta=s.meta, log=log)
-    finally:  # its background threads must not outlive a failed restore
-        ckpt.close()
-    params, model_state = restored.state["params"], restored.state["model_state"]
-    evaluator = Evaluator(s.graphdef, s.valid_sources, seq_len=s.plan.seq_len, rows=s.plan.micro_rows, mesh=s.mesh,
-                          max_batches=max_batches, reset_at_documents=bool(config.data.reset_at_documents))
-    out = evaluator(params, model_state)
-    log(f"{os.path.join(workdir, 'checkpoints')} step {restored.step}: " +
-        " ".join(f"{k}={v:.4f}" for k, v in out.items()))
-    return {"step": restored.step, **out}

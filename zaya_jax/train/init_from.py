@@ -35,7 +35,7 @@ def initialize_from(src: str, state: dict, cfg: ModelConfig, *, log=print) -> di
 def _from_hf(src: str, state: dict, cfg: ModelConfig, log) -> dict:
     from zaya_jax.checkpoint.hf import from_hf, read_hf_config
     from zaya_jax.model.base import BalancingBias
-    from zaya_jax.train.loop import TrainConfigError
+    from zaya_jax.train.errors import TrainConfigError
 
     ours = cfg.to_hf_dict()
     how = {k: v for k, v in vars(cfg).items() if k not in ours and k != "rope"}  # dtype, impls, scan_layers

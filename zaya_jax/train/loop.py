@@ -36,6 +36,7 @@ from zaya_jax.parallel.sharding import (combine_threshold_options, describe_opti
                                          zero1_spec_fn, zero_axes)
 from zaya_jax.parallel.zigzag import Zigzag
 from zaya_jax.train import run_record
+from zaya_jax.train.errors import TrainConfigError
 from zaya_jax.train.evaluate import Evaluator
 from zaya_jax.train.flops import flops_per_token
 from zaya_jax.train import routing_metrics
@@ -49,10 +50,6 @@ PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "MI300X": 1307.4, "MI325X": 1307.4,
 
 EXIT_NONFINITE = 65  # the trainer's exit status when the loss went NaN/Inf (no checkpoint written)
 EXIT_STOPPED = 75  # stopped by SIGTERM (the supervisor, a scheduler) after finishing checkpoint writes
-
-
-class TrainConfigError(ValueError):
-    pass
 
 
 @dataclasses.dataclass
@@ -221,6 +218,27 @@ def optimizer_config(config: ConfigDict) -> OptimizerConfig:
 def checkpoint_manager(config: ConfigDict, workdir: str) -> CheckpointManager:
     return CheckpointManager(os.path.join(workdir, "checkpoints"), save_interval_steps=config.train.checkpoint_every,
                              max_to_keep=config.train.keep_checkpoints)
+
+
+def evaluate_checkpoint(config, workdir: str, *, step: int | None = None, max_batches: int | None = None,
+                        log=print) -> dict[str, float]:
+    """Scores the run's checkpoint (latest, or `step`) on every held-out source; jit-compiled, any mesh.
+    `config` None: the one recorded in the run directory (run_record.py)."""
+    if config is None:
+        config = run_record.load_config(workdir)
+    s = setup(config, log=log)
+    ckpt = checkpoint_manager(config, workdir)
+    try:
+        restored = ckpt.restore(abstract_like(s.state), step=step, expect_meta=s.meta, log=log)
+    finally:  # its background threads must not outlive a failed restore
+        ckpt.close()
+    params, model_state = restored.state["params"], restored.state["model_state"]
+    evaluator = Evaluator(s.graphdef, s.valid_sources, seq_len=s.plan.seq_len, rows=s.plan.micro_rows, mesh=s.mesh,
+                          max_batches=max_batches, reset_at_documents=bool(config.data.reset_at_documents))
+    out = evaluator(params, model_state)
+    log(f"{os.path.join(workdir, 'checkpoints')} step {restored.step}: " +
+        " ".join(f"{k}={v:.4f}" for k, v in out.items()))
+    return {"step": restored.step, **out}
 
 
 def run(config: ConfigDict, workdir: str, *, log=print) -> dict:

@@ -100,7 +100,7 @@ def _changes(diffs) -> str:
 def ensure(config: ConfigDict, workdir: str, *, resuming: bool, write: bool = True, log=print) -> dict:
     """At a first start writes DIR/run.json (and copies the tokenizer); on a resume checks the config against it:
     a difference outside RESUMABLE raises TrainConfigError (one line), allowed ones are logged and recorded."""
-    from zaya_jax.train.loop import TrainConfigError
+    from zaya_jax.train.errors import TrainConfigError
 
     current = describe(config)
     if resuming and exists(workdir):
@@ -137,7 +137,7 @@ def _save(record: dict, workdir: str) -> None:
 
 def load_config(workdir: str) -> ConfigDict:
     """The recorded config; a tokenizer.json is read from the run directory's copy."""
-    from zaya_jax.train.loop import TrainConfigError
+    from zaya_jax.train.errors import TrainConfigError
 
     if not exists(workdir):
         raise TrainConfigError(f"{workdir} has no {RECORD} (runs record their config at the first start); "
