@@ -14,12 +14,12 @@ from configs.default import get_config as _default
 def get_config() -> ConfigDict:
     c = _default()
     c.model = ConfigDict(dict(preset="zaya1_base", overrides=ConfigDict(dict(
-        # the Pallas kernels (Triton lowering: MI300X and NVIDIA); on the H200 the grouped-GEMM experts run 9.3x
-        # faster than lax.ragged_dot and the attention 7.8x faster than XLA's (benchmarks/moe_h200.json, tune_h200.json)
+        # the Pallas kernels (Triton lowering: MI300X and NVIDIA); on the H200 the grouped-GEMM experts run several
+        # times faster than lax.ragged_dot and the attention several times faster than XLA's (docs/experiments.md)
         dtype="bfloat16", remat="save_dots", attention_impl="pallas", moe_impl="pallas", norm_impl="pallas",
         ce_impl="pallas", conv_impl="pallas",
-        # layers unrolled: forward+backward 83.7 ms against 103.9 under lax.scan, and less memory (bench preset,
-        # benchmarks/train_h200_explore.json); the price is a longer compile
+        # layers unrolled: faster forward+backward and less memory than lax.scan at the bench preset, at the price
+        # of a longer compile (docs/experiments.md)
         scan_layers=False,
         # phase 1 trains at 4k with theta 1e4 (the released base carries 1e6 after the 32k extension)
         rope=ConfigDict(dict(hybrid=ConfigDict(dict(theta=10_000.0, partial_rotary_factor=0.5)))),
@@ -31,7 +31,7 @@ def get_config() -> ConfigDict:
                         keep_checkpoints=5))
     c.optim = ConfigDict(dict(learning_rate=2e-3, schedule="wsd", warmup_steps=2000, total_steps=0,
                               decay_fraction=0.1, weight_decay=0.1, clip_norm=1.0,
-                              muon_gram_impl="pallas"))  # symmetric Gram kernel: NS step 1.34x (muon_h200.json)
+                              muon_gram_impl="pallas"))  # symmetric Gram kernel: faster NS step (docs/experiments.md)
     c.balancing = ConfigDict(dict(learning_rate=1.0))  # zaya_jax/optim/balancing.py, docs/routing.md
     c.mesh = ConfigDict(dict(data=-1, context=1, num_devices=0))
     c.parallel.bucket_bytes = 64 << 20  # set it from `characterize collectives` on the target network

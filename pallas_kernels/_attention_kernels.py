@@ -390,8 +390,8 @@ def dkv_split(heads: int, kv_heads: int, batch: int, n_kv_blocks: int, requested
     """Programs per KV head (each takes an equal share of its query heads). With few KV heads and a small batch
     there are fewer (KV head, key block) programs than compute units, and under causal masks the first key blocks
     carry most of the work; then the query heads of a group are split over several programs whose fp32 partial
-    dk/dv are summed afterwards. On the H200 at B=4, T=4096 (256 programs) splitting measured slower (0.79 vs
-    0.71 ms: the partial sums cost more than the balance gains), so the split only fills an under-filled GPU."""
+    dk/dv are summed afterwards. On the H200 at B=4, T=4096 (256 programs) splitting measured slower (the partial
+    sums cost more than the balance gains; docs/experiments.md), so the split only fills an under-filled GPU."""
     groups = heads // kv_heads
     if requested:
         if groups % requested:

@@ -3,9 +3,10 @@
 `plgpu.atomic_add` always lowers to `tt.atomic_rmw ... acq_rel, gpu` (the default of jax's `_atomic_rmw` in
 jax/_src/pallas/triton/lowering.py). Acquire-release orders every add against all of the thread's other memory
 operations, so each add waits for the software-pipelined tile loads in flight: the fused attention backward ran
-2.5x slower than the split one with it. Partial sums added into a buffer that nothing reads before the kernel
+far slower than the split one with it. Partial sums added into a buffer that nothing reads before the kernel
 ends need atomicity only, which relaxed ordering keeps (Triton's NVIDIA lowering: `atom.global.gpu.relaxed.add`
-instead of `...acq_rel.add`). On the H200 the fused backward went from 40.7 to 22.1 ms at T=32768.
+instead of `...acq_rel.add`). On the H200 this nearly halved the fused backward's time at long rows
+(docs/experiments.md).
 
 This is our own primitive with jax's abstract evaluation and interpret-mode discharge (the same as
 `plgpu.atomic_add`) and a Triton lowering rule that differs only in the memory semantic. It touches jax

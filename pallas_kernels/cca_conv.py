@@ -20,8 +20,7 @@ tile's stores are masked. Inside shard_map (check_vma) the kernels run on inputs
 the weight gradients are summed back to their primals' types (`vma`).
 
 Measured and dropped: kernel B recomputing d y_j = d out . w2_j for its rows (five small matmuls and the head's
-w2 taps per tile) instead of kernel A storing it: fwd+bwd 0.321 against 0.272 ms on the H200 at B=2, T=4096
-(benchmarks/cca_qk_mix_recompute_dy_h200.json).
+w2 taps per tile) instead of kernel A storing it: slower forward+backward on the H200 (docs/experiments.md).
 """
 
 from __future__ import annotations
@@ -279,7 +278,7 @@ def _backward_grouped(xp, w1, b1, w2, masks, dout):
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        # one stage by default: 1-3 measured within 4% of the op on the H200 (benchmarks/cca_qk_mix_stages_h200.json)
+        # one stage by default: 1-3 stages measured within noise of each other on the H200 (docs/experiments.md)
         compiler_params=platform.compiler_params(warps, stages),
         interpret=platform.interpret(), name="cca_qk_mix_bwd_grouped",
     )(*args)

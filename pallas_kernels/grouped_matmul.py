@@ -38,9 +38,8 @@ class GroupedTiling:
 
     block_rows: int = 128
     group_rows: int = 8
-    # H200 sweeps (benchmarks/moe_h200.json, moe_sweep_h200.json): forward 256-column tiles 516 TFLOP/s on gate_up
-    # against 460 at 128; then 4 stages for the forward and a 256 x 64 dgrad tile with 4 (gate_up 0.255 against
-    # 0.292 ms), a 128 x 256 wgrad tile (0.300 against 0.316 ms); 128-row wgrad steps measured 15-55% slower.
+    # From the H200 sweeps: 256-column forward tiles beat 128, then 4 stages for the forward, a 256 x 64 dgrad tile
+    # with 4 stages and a 128 x 256 wgrad tile were fastest; 128-row wgrad steps were slower (docs/experiments.md).
     fwd_n: int = 256
     fwd_k: int = 64
     fwd_warps: int = 8

@@ -99,75 +99,16 @@ class AttentionBlocks:
 # The attention tuning table. `python -m benchmarks.tune_kernels` prints a replacement row for the backend it runs on.
 # ROCm values are untuned starting points.
 _ATTENTION = {
-    # H200, 8 q / 2 kv heads, d=128 (benchmarks/attention_fwd_variants_h200.json): forward 128 x 128 tiles with 8
-    # warps, 0.354 ms at B=4, T=4096 against 0.372 for 64 x 64 with 4 warps (4.66 against 4.93 ms at T=32768 in
-    # that run; 4.80-4.90 in later ones);
-    # 256-row tiles and stacked heads measured slower, and so did two loop variants since removed: the next block's
-    # QK^T issued before this block's softmax (Triton waits for it at once: 1.2-1.7x the time) and the accumulator
-    # rescaled only when a row maximum grows past 2^8 (FA4's lazy rescale: 1.03-1.08x the time). dq with 4
-    # pipeline stages: level with 3 within noise (5.54 against 5.59 ms at 32k). dk/dv with 2 stacked query heads:
-    # fwd+bwd 0.90x cuDNN at B=4, T=4096 against 0.82x unstacked (benchmarks/attention_bwd_h200.json). A backward
-    # whose dk/dv kernel also stored dS for a one-matmul dq kernel (5 matmuls per tile, like cuDNN's, against the
-    # split path's 7) measured 16.7 against 13.7 ms at T=32768 (the scattered dS stores) and level at 4096
-    # (benchmarks/attention_stored_ds_h200.json); it was removed again. The fused backward ('atomic') with relaxed
-    # atomics (_relaxed_atomic.py) measured fwd+bwd 22.1 against 40.7 ms with acq_rel at T=32768 (1.60 against
-    # 3.04 at 4096), still behind split's 18.4 / 1.31: its 4.3G fp32 adds at 32k, one per (query row, head, key
-    # block), cost ~7.5 ms (benchmarks/attention_relaxed_atomic_h200.json). The 'tiles' backward (dS written as
-    # whole tiles, a one-matmul dq kernel): at B=4, T=4096 fwd+bwd 1.250 / 1.253 ms against split's 1.309 / 1.313
-    # in two runs (dk/dv + dS 0.59 ms against 0.53, dq 0.29 against 0.41); at T=32768 level or 1% slower (dk/dv +
-    # dS 9.6 against 7.8 ms, dq 4.1 against 5.6), so the long row keeps split (benchmarks/attention_tiles_h200*.json).
-    # Measured slower and removed: 2 or 4 query tiles per dq program, and dS slots laid out query-major (dq loads at
-    # affine addresses, the dk/dv kernel's stores through a per-step table: dk/dv + dS 0.67 against 0.59 ms at 4k,
-    # benchmarks/attention_tiles_querymajor_h200.json); 128-row dS tiles (32 positions x 4 heads, one K byte per dS
-    # byte in the dq kernel) exceed shared memory at 3 stages and run the dk/dv kernel 3-4x slower at 2
-    # (benchmarks/attention_tiles128_h200.json). Triton's Hopper warp specialization (a producer warp group feeding
-    # the matmuls, as FA3 and cuDNN do) cannot be reached from Pallas: with `tt.warp_specialize` set on the loops of
-    # the lowered module and 4 warps, XLA's Triton pipeline aborts ("unsupported load type for producer commit"), for
-    # a plain matmul loop too; its producer partition needs TMA descriptor loads, which the Pallas Triton lowering
-    # does not emit (benchmarks/warp_specialize_probe_h200.json). Exponentials of
-    # the unmasked tiles moved off the special-function unit onto the FMA pipes (a cubic polynomial and an exponent
-    # add, FlashAttention-4's trick; half or all of each key tile) made every kernel slower at both shapes: forward
-    # 5.20 / 5.80 ms for half / all against 4.73 at T=32768, dq 6.60 against 5.56 with all, split dk/dv tiles 2.8x
-    # slower (benchmarks/attention_fma_exp_h200.json). The ~8 added FMA-pipe ops per logit cost what they would if
-    # run alone, so the kernels are bound by issued instructions next to the matmuls, not by the exp unit; the
-    # option was removed. Flushing denormals (XLA_FLAGS=--xla_gpu_ftz=true) drops the fix-up every exp2 carries without
-    # it (FSETP + two predicated FMULs around MUFU.EX2: forward 26.2M -> 19.6M executed instructions, dk/dv 51.1M ->
-    # 44.7M at B=1, T=4096; benchmarks/attention_sass_ftz_h200.json) yet made the forward slower, 4.59 / 4.58 against
-    # 4.29 / 4.32 ms at T=32768 in alternating runs (fwd+bwd 18.52 / 18.34 against 18.15 / 18.13; 4096 likewise):
-    # the exponentials then issue back to back and stall on the MUFU pipe (benchmarks/attention_ftz_ab_h200.json,
-    # earlier benchmarks/attention_ftz_h200.json). One warpgroup per program, so that two programs per SM keep
-    # separate barriers and one's exponentials can meet the other's matmuls: forward 128 x 64 / 128 x 32 / 64 x 64
-    # tiles at 4 warps 5.69 / 4.95 / 4.79 ms against 4.23, dq and dk/dv likewise slower
-    # (benchmarks/attention_one_warpgroup_h200.json). Issue order, measured and removed: dO . V^T issued right after
-    # Q . K^T in dq and dk/dv (before the exponentials), and each forward step as two half-width key tiles with both
-    # Q . K^T first (the second half's exponentials beside the first half's P . V): kernels 1-2% faster alone, fwd+bwd
-    # at T=32768 18.20 / 18.15 / 18.20 against 18.03 / 18.08 / 18.13 ms in three alternating runs
-    # (benchmarks/attention_issue_order_h200.json). 128-row tiles of stacked heads (each K/V tile read once for 2 or 4
-    # query heads) at T=32768: forward 32 x 4 / 64 x 2 rows 4.63 / 4.70 against 4.32 ms, dq 6.58 / 6.64 against 5.88
-    # (benchmarks/attention_stacked_heads_32k_h200.json): K/V traffic does not limit them. The loop-invariant matmul
-    # operands (forward q; dq's q and dO; dk/dv's k and v) doubled in registers (exact), so that Triton feeds them to
-    # the tensor cores from registers, not shared memory: forward 4.73 against 4.27 ms, dq 6.65 against 5.54, dk/dv
-    # 8.99 against 7.92 at T=32768, slower at 4096 too (benchmarks/attention_regs_h200.json); removed. The bulk
-    # reduce-add of the tensor memory accelerator, with which FA3 and cuDNN add dq tiles (the fused backward's 5
-    # matmuls without per-element atomics), is not reachable: a device-side tensor descriptor faults because XLA passes
-    # Triton's global scratch buffer as a null pointer, and building one by hand needs TritonNvidiaGPU ops XLA does not
-    # parse (benchmarks/attention_tma_probe_h200.json). The forward's key-norm
-    # bound shift (fwd_shift='bound': no running maximum or rescaling) took T=32768 from 4.70 to 4.22 ms, level at
-    # 4096 (benchmarks/attention_fwd_shift_h200.json); under it the 128 x 128 forward tile with 8 warps and 3 stages
-    # stays the fastest of 11 at 32k (256 x 64 with 16 warps 4.34, 128 x 64 4.77 against 4.26 ms;
-    # benchmarks/attention_fwd_bound_tiles_h200.json). Its row sums as p . ones[block_k, 16] on the tensor cores,
-    # reduced once at the end: 128 x 128 tiles then exceed shared memory, 128 x 64 ones took 4.83 ms
-    # (benchmarks/attention_fwd_rowsum_h200.json); removed. Nsight Compute at B=1, T=16384
-    # (benchmarks/attention_ncu_16k_h200.json): the split dq and dk/dv kernels keep the
-    # tensor pipe 62% active, cuDNN's backward 64%: the backward's gap is its 7 matmuls per tile against cuDNN's 5,
-    # not their efficiency. The forward 54% against cuDNN's 74% (its cp.async loads issued by every thread, CTA-wide
-    # barriers keeping the two warpgroups in step; cuDNN's TMA producer warps let them alternate). The fused
-    # 'atomic' backward at 128 keys x 64 rows needs 255 registers and spills (28M spilling instructions, tensor 34%
-    # active); 64-key tiles halve its accumulators but double its dq atomics: 28.0 against split's 13.8 ms at
-    # T=32768, and 32-row tiles 18.7 (benchmarks/attention_atomic_k64_h200.json). Two kernels over key blocks, dv
-    # alone (2 matmuls per tile) then dk with dq added atomically (4; one accumulator live in each, correct on the
-    # H200): backward 18.8 against split's 14.1 ms at T=32768, 1.25 against 0.89 at 4096: the atomic dq adds, not the
-    # spills, cost most; removed (benchmarks/attention_two_pass_h200.json).
+    # Keys: the backend (`vendor()`). Fields (AttentionBlocks): fwd_* / dq_* / dkv_* are the forward, dq and dk/dv
+    # kernels' tiles (`_q` query positions, `_k` key positions per tile), warps and software-pipeline stages;
+    # `*_heads` stacks that many query heads of one KV head in a tile; `bwd` picks the backward ('split', 'atomic',
+    # 'tiles'), `tiles_dq_*` launch the dq-from-dS-tiles kernel. Unset fields take the dataclass defaults.
+    # CUDA row (H200, 8 q / 2 kv heads, d=128): 128 x 128 forward tiles with 8 warps and 3 stages were the fastest
+    # forward under the bound shift; dk/dv stacks 2 query heads (closer to cuDNN than unstacked); the 'tiles'
+    # backward is faster than 'split' at 4k (the long-row override below keeps 'split'). Variants measured slower
+    # or not reachable from Pallas (lazy rescale, FMA-pipe exponentials, denormal flushing, one warpgroup per
+    # program, register operands, warp specialization, TMA reduce-add, two-pass atomic backward, ...) were removed;
+    # their figures are in docs/experiments.md.
     "cuda": AttentionBlocks(fwd_q=128, fwd_k=128, fwd_warps=8, fwd_stages=3, dq_stages=4, dkv_q=32, dkv_heads=2,
                             bwd="tiles", tiles_dq_stages=2),
     # MI300X: 64-lane wavefronts (4 waves = 256 lanes), AMD's Triton pipeliner wants num_stages 1-2.
@@ -180,8 +121,9 @@ _ATTENTION = {
 }
 
 
-# Long query sequences (q_len >= the key): fields that replace the table's. On the H200 at B=1, T=32768, dk/dv with 16
-# positions x 4 stacked heads: 0.77x cuDNN against 0.69x unstacked (benchmarks/attention_bwd_h200.json).
+# Long query sequences (q_len >= the key): fields that replace the table's. On the H200 at long rows, dk/dv with 16
+# positions x 4 stacked heads runs closer to cuDNN than unstacked, and 'split' is level with or faster than 'tiles'
+# (docs/experiments.md).
 _ATTENTION_LONG = {
     "cuda": (16384, dict(dkv_q=16, dkv_heads=4, bwd="split")),
 }
@@ -237,10 +179,10 @@ class NormTuning:
 
 # The [D] parameter vectors (and, in the backward, the [D] partial sums) stay in registers for the whole row loop,
 # so wide rows get more lanes rather than more registers per lane, and the bytes in flight come from tiles loaded
-# ahead. On the H200 (D=2048, 16384 rows; benchmarks/norm_h200.json, kernels_h200.json) the fused merge backward runs
-# at 0.79 of copy bandwidth with 16 warps x 1 program per SM and 3 tiles ahead (8 warps x 2, 1 ahead: 0.74). The
-# forward stays at 8 warps x 6 programs, 1 ahead (0.84-0.86 in bench_kernels): 16 warps x 2, 3 ahead measured 0.86
-# alone in the tuner but 0.78-0.84 in bench_kernels. `python -m benchmarks.kernels.tune_norm` prints new rows.
+# ahead. On the H200 (D=2048) the fused merge backward reaches the most copy bandwidth with 16 warps x 1 program per
+# SM and 3 tiles ahead; the forward stays at 8 warps x 6 programs, 1 ahead, which held up best in bench_kernels (a
+# wider launch that won alone in the tuner did not; docs/experiments.md). `python -m benchmarks.kernels.tune_norm`
+# prints new rows.
 _NORM = {
     "cuda": {"fwd": NormTuning(2048, 8, 6, 1), "bwd": NormTuning(2048, 4, 1, 1, 3)},
     "rocm": {"fwd": NormTuning(2048, 8, 8, 1), "bwd": NormTuning(2048, 8, 4, 1)},

@@ -7,9 +7,8 @@ Triton lowering).
 
 The chunked head loss (zaya_jax/model/loss.py) forms the gradient of each chunk of logits right after the head GEMM.
 Here one program walks one row twice: an online max / sum-exp pass, then a pass (from the row's end back) that writes
-the gradient and picks up the target logit: two reads and one write of the logits. On the H200 (4096 x 262272 bf16,
-benchmarks/bench_ce.py): 1.82 ms, 0.86 of copy bandwidth, against 2.45 ms for XLA's fusions of the same reference
-(benchmarks/ce_h200.json), before the reversed second pass.
+the gradient and picks up the target logit: two reads and one write of the logits. On the H200 it runs near copy
+bandwidth and faster than XLA's fusions of the same reference (docs/experiments.md).
 
 Rows are [V] vectors read in power-of-two blocks with the tail masked, so any V works (ZAYA1: 262272). Statistics are
 fp32. A row with weight 0 gets loss 0 and a zero gradient.
@@ -34,13 +33,11 @@ NEG = -1.0e30  # masked tail entries: exp(NEG - max) == 0 without inf arithmetic
 @dataclasses.dataclass(frozen=True)
 class XentLaunch:
     """Columns per loop step, warps per program, and blocks loaded `prefetch` steps ahead (carried in registers:
-    Triton does not pipeline loads of a loop without a dot). On the H200 (4096 x 262272 bf16,
-    benchmarks/ce_sweep_h200.json) 4096 columns x 8 warps x 1 ahead runs at 0.86 of copy bandwidth; 4 warps
-    0.72-0.75, 2048 columns 0.73-0.79, 8192 columns 0.52-0.66.
+    Triton does not pipeline loads of a loop without a dot). On the H200 4096 columns x 8 warps x 1 ahead came
+    closest to copy bandwidth; fewer warps, narrower or wider blocks were slower (docs/experiments.md).
     reverse: the second pass walks the row from its end, so it starts on the blocks most likely still in the L2
-    cache: 3.79 against 4.01 ms on the H200 at 8192 x 262272 (benchmarks/ce_sweep_l2_h200.json). Programs that
-    each walk a range of rows (fewer rows in flight, more of each in L2) measured 1.3-2.5x slower there: too few
-    loads in flight to keep the memory busy."""
+    cache (faster on the H200). Programs that each walk a range of rows (fewer rows in flight, more of each in L2)
+    measured slower there: too few loads in flight to keep the memory busy."""
     block: int = 4096
     num_warps: int = 8
     prefetch: int = 1

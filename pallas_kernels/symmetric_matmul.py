@@ -78,7 +78,7 @@ def default_tiling(dtype) -> GramTiling:
         return GramTiling(tile=32, tile_k=16, num_warps=4, num_stages=1)
     if jnp.dtype(dtype).itemsize >= 4:  # fp32 tiles take twice the shared memory per stage
         tiling = GramTiling(tile=64, tile_k=32, num_warps=4, num_stages=3)
-    else:  # fastest of the H200 sweep on 8 x 2048x2048 (benchmarks/muon_h200.json): 128x128 tiles, k 64, and the
+    else:  # fastest of the H200 sweep on 8 x 2048x2048 (docs/experiments.md): 128x128 tiles, k 64, and the
         # last partial wave split in halves with 2 programs resident per SM
         tiling = GramTiling(tile=128, tile_k=64, num_warps=4, num_stages=3,
                             tail_slots=2 * platform.compute_units() if vendor == "cuda" else 0)

@@ -18,8 +18,8 @@ class BalancingBias(nnx.Variable):
 
 def compute_matmul(spec: str, a, b):
     """einsum whose result stays in the operands' (compute) dtype; the GEMM still accumulates in fp32. An fp32
-    result would make the backward's cotangent fp32 and turn both backward GEMMs into fp32 ones (measured on the
-    H200: 24% of the bench step)."""
+    result would make the backward's cotangent fp32 and turn both backward GEMMs into fp32 ones (a large share of
+    the bench step on the H200, docs/experiments.md)."""
     return jnp.einsum(spec, a, b, preferred_element_type=a.dtype)
 
 

@@ -60,8 +60,8 @@ class CCAProjection(nnx.Module):
         if conv_mask is not None:  # HF zeroes padded positions before any projection
             x = x * conv_mask[:, :, None].astype(dt)
 
-        # one GEMM over the four projections' concatenated weights measured level on the H200 (fwd+bwd 77.5 against
-        # 77.7 ms, benchmarks/train_h200_fused_qkv_ab.json), so they stay four
+        # one GEMM over the four projections' concatenated weights measured level on the H200 in forward+backward
+        # (docs/experiments.md), so they stay four
         q = self.q_proj(x)
         k = self.k_proj(x)
         qk = jnp.concatenate([q, k], axis=-1)  # channels [q heads | k heads]

@@ -6,9 +6,8 @@ each microbatch's backward leaves the expert weights' gradients out and hands ov
 input rows, output gradient and tile layout: ops/grouped_matmul.DeferredWgrad), and after the pass one kernel per
 weight adds all k microbatches' gradients to the fp32 sum in place (`grouped_wgrad_sum`). Same sum with one rounding
 less (no per-microbatch rounding to the compute dtype); the pass holds those activations instead of k gradients.
-On the H200, 4 microbatches of 8192 tokens per pass: gate_up 1.31-1.36 against 1.75-1.79 ms, down 0.67 against
-0.90-0.91 ms per layer and pass (benchmarks/moe_wgrad_sum_h200*.json, two calls); in the bench step, 16 microbatches
-1299.1 against 1312.2 ms (benchmarks/train_h200_defer_wgrad_ab.json).
+On the H200 the deferred sum is faster per layer and pass for both gate_up and down, and the bench step with 16
+microbatches slightly faster (docs/experiments.md).
 """
 
 from __future__ import annotations

@@ -2,17 +2,16 @@
 
 The tied table [V, D] gets two gradients per microbatch: the head's (one GEMM, [V, D] fp32) and the lookup's (a
 scatter-add of the looked-up rows' gradients). Summed in the microbatch, they leave the GEMM as an operand of the
-scatter, so the pass's sum over microbatches became one more fp32 pass over k + 1 tables of V x D: 2.4 ms per pass of
-4 microbatches of 8192 tokens at the bench widths (benchmarks/train_h200_profile_accum16_defer.json,
-loop_add_fusion.87). With the lookup's gradient taken out as rows (a zero tap added to the looked-up rows), the
-table's gradient is the head GEMM alone and the rows are scattered into the sum after the pass: the same terms,
-summed in another order. (Measured on the H200: XLA folds the first head GEMM of a pass into the sum, cuBLAS
-beta = 1, but still sums the other three in a separate fusion, whichever order the adds are written in; the tap
-with the head copy below gains 0.5% at 16 microbatches, benchmarks/train_h200.json's accum16_no_rows_tap row.)
+scatter, so the pass's sum over microbatches became one more fp32 pass over k + 1 tables of V x D, a visible share
+of the accumulating step at the bench widths (docs/experiments.md). With the lookup's gradient taken out as rows (a
+zero tap added to the looked-up rows), the table's gradient is the head GEMM alone and the rows are scattered into
+the sum after the pass: the same terms, summed in another order. (XLA folds the first head GEMM of a pass into the
+sum, cuBLAS beta = 1, but still sums the other three in a separate fusion, whichever order the adds are written in;
+the tap with the head copy below gave a small gain at 16 microbatches, docs/experiments.md.)
 
 The tap also carries the table cast once per step to the compute dtype for the head GEMMs (without it the cast ran
-once per pass of the microbatch loop: 0.75 ms a pass at the bench widths); the head's gradient is still formed
-for the fp32 table (model/loss.py: chunked_head_cross_entropy's weight_compute).
+once per pass of the microbatch loop, a full read and write of the table each time); the head's gradient is still
+formed for the fp32 table (model/loss.py: chunked_head_cross_entropy's weight_compute).
 """
 
 from __future__ import annotations

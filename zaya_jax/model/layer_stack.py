@@ -1,12 +1,11 @@
 """Per-layer views of the stacked layer parameters for the unrolled model (scan_layers=False).
 
 Indexing a stacked [L, ...] leaf once per layer makes its gradient the sum of L zero-padded slices (the transpose of
-a slice is a pad). XLA merged those only partly: the bench step's backward spent 4.7 ms in such adds
-(benchmarks/train_h200_profile.json, 'add_any'). `unstack_layers` gives the slices a custom VJP that stacks the L
+a slice is a pad). XLA merged those only partly: the bench step's backward spent a visible share of its time in
+such adds ('add_any', docs/experiments.md). `unstack_layers` gives the slices a custom VJP that stacks the L
 cotangents in one concatenation: the same values (the padded slices are disjoint, so the sum adds only zeros), in
-one pass over the gradient. Both passes remain copies of every layer weight: in the single-microbatch bench step
-(8 layers at ZAYA1 widths) the forward's slices took 2.44 ms and the backward's stack 2.48 ms of 73.7 ms of kernels
-(benchmarks/train_h200_profile_fwd_bwd.json, command buffers off); the accumulating step slices once per optimizer
+one pass over the gradient. Both passes remain copies of every layer weight, a few percent of the
+single-microbatch bench step's kernel time (docs/experiments.md); the accumulating step slices once per optimizer
 step instead (`LayerSlices`, model/compute_view.py).
 """
 

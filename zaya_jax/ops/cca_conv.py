@@ -14,11 +14,10 @@ columns before t = 0 (the previous chunk's projections, or zeros at a sequence s
 y_j is the depthwise output that grouped tap j reads, seen from output t (same_segment[s] [B, T] zeroes columns of an
 earlier document; None: no resets). Its bias is never masked: at a sequence start the grouped convolution sees the
 depthwise bias, not zero, at t = -1, as in the reference. 'xla' is the jnp reference below; 'pallas' the kernels of
-pallas_kernels/cca_conv.py (one forward kernel for the whole block). Why a kernel: on the H200 XLA's fusions of this
-block took about 2.6 ms per 2 x 4096-token microbatch over the bench preset's 8 layers, forward and backward
-(benchmarks/train_h200_profile_sources.json: cca.py's _convolve, its grouped GEMMs and the residual lines), several
-times the bytes the block must move. The kernels run the op 1.94x faster than XLA (forward 3.5x;
-benchmarks/cca_qk_mix_h200.json), still at 0.09 of copy bandwidth: the backward's two kernels have room.
+pallas_kernels/cca_conv.py (one forward kernel for the whole block). Why a kernel: XLA's fusions of this block
+(cca.py's _convolve, its grouped GEMMs and the residual lines) move several times the bytes the block must move.
+The kernels run the op faster than XLA, forward and backward, but still far from copy bandwidth: the backward's
+two kernels have room (docs/experiments.md).
 """
 
 from __future__ import annotations

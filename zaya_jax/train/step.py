@@ -6,8 +6,8 @@ microbatch's expert counts of the whole data-parallel batch (global under jit), 
 microbatch routes with the updated biases; the micro-gradients summed in fp32 in the scan carry; then one optimizer
 update with their mean. Accumulating inside one program keeps the per-microbatch work to the gradient and one fp32
 add: an optimizer-side accumulator (optax.MultiSteps-style, one call per microbatch) also paid state-sized passes
-per microbatch (zero updates, params + 0, the accumulator's bookkeeping): 60.4k against 71.2k tokens/s over 16
-microbatches on the H200 (benchmarks/train_h200_long_accum.json, the kernels of that time).
+per microbatch (zero updates, params + 0, the accumulator's bookkeeping) and measured clearly slower over 16
+microbatches (docs/experiments.md).
 """
 
 from __future__ import annotations
