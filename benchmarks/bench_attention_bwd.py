@@ -41,16 +41,12 @@ def _dkv(q, heads, k, warps, stages):
     return dict(dkv_q=q, dkv_heads=heads, dkv_k=k, dkv_warps=warps, dkv_stages=stages)
 
 
-def _atomic(q, heads, k=128, warps=8, stages=3):
-    return dict(bwd="atomic", **_dkv(q, heads, k, warps, stages))
-
-
 def _dq(q, k, warps, stages, heads=1):
     return dict(dq_q=q, dq_k=k, dq_warps=warps, dq_stages=stages, dq_heads=heads)
 
 
 # Variant name -> fields replaced in the table's row for the shape (which includes the long-sequence forward).
-# split_qXhY / atomic_qXhY fix the dk/dv tiling (dkv_q=X positions x Y stacked heads), dkv_qXhYkKwWsS also its key
+# split_qXhY fix the dk/dv tiling (dkv_q=X positions x Y stacked heads), dkv_qXhYkKwWsS also its key
 # tile, warps and pipeline stages; fwd_qXkYwZsS[hH] fix the forward's (query x key tile, warps, pipeline stages,
 # stacked heads), dq_qXkYwZsS[hH] the dq kernel's. Each keeps the rest of the row.
 VARIANTS = {
@@ -64,27 +60,6 @@ VARIANTS = {
     "dkv_q32h4k128w8s2": _dkv(32, 4, 128, 8, 2),
     "dkv_q16h4k64w4s3": _dkv(16, 4, 64, 4, 3),
     "dkv_q16h2k128w8s3": _dkv(16, 2, 128, 8, 3),
-    "atomic": dict(bwd="atomic"),
-    "atomic_q32h2": dict(bwd="atomic", dkv_q=32, dkv_heads=2),
-    "atomic_q16h2": dict(bwd="atomic", dkv_q=16, dkv_heads=2),
-    "atomic_q32h1": dict(bwd="atomic", dkv_q=32, dkv_heads=1),
-    "atomic_q16h4": dict(bwd="atomic", dkv_q=16, dkv_heads=4),
-    # the fused backward's tiles (relaxed atomics: its best tiling need not be the split dk/dv kernel's)
-    "atomic_q32h4": _atomic(32, 4),
-    "atomic_q64h2": _atomic(64, 2),
-    "atomic_q64h1": _atomic(64, 1),
-    "atomic_q16h4s2": _atomic(16, 4, stages=2),
-    "atomic_q32h2s2": _atomic(32, 2, stages=2),
-    "atomic_q32h2k64w4": _atomic(32, 2, k=64, warps=4),
-    "atomic_q64h1k64w4": _atomic(64, 1, k=64, warps=4),
-    # 64-key tiles with 8 warps: half the dk/dv accumulators of 128-key ones (the fused kernel at 128 x 64 uses 255
-    # registers per thread and spills, ncu at T=16384), twice the dq atomics
-    "atomic_q64h1k64w8": _atomic(64, 1, k=64, warps=8),
-    "atomic_q32h2k64w8": _atomic(32, 2, k=64, warps=8),
-    "atomic_q32h4k64w8": _atomic(32, 4, k=64, warps=8),
-    "atomic_q128h1k64w8": _atomic(128, 1, k=64, warps=8),
-    "atomic_q64h1k64w8s2": _atomic(64, 1, k=64, warps=8, stages=2),
-    "atomic_q32h1": _atomic(32, 1),
     # dS written as whole tiles by the dk/dv kernel and read back by a one-matmul dq kernel (tiles_dq_* its launch)
     "tiles": dict(bwd="tiles"),
     "tiles_q32h2": dict(bwd="tiles", dkv_q=32, dkv_heads=2),

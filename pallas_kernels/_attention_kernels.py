@@ -1,5 +1,5 @@
-"""Flash-attention kernels for grouped-query attention (Pallas, Triton lowering): forward, dq, dk/dv, a fused
-backward (dk/dv with atomically added dq), and a dk/dv kernel that also writes dS tiles for a dq kernel that then
+"""Flash-attention kernels for grouped-query attention (Pallas, Triton lowering): forward, dq, dk/dv, and a
+dk/dv kernel that also writes dS tiles for a dq kernel that then
 needs one matmul per tile instead of three.
 
 Layouts: q/o/dq [B, Tp, H, dp], k/v/dk/dv [B, Sp, KV, dp], lse/delta [B, H, Tp] fp32, positions/segments
@@ -42,7 +42,6 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import platform
 from pallas_kernels import vma
-from pallas_kernels._relaxed_atomic import relaxed_atomic_add
 
 F32 = jnp.float32
 LOG2E = math.log2(math.e)
@@ -323,15 +322,11 @@ def backward_dq(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, 
 
 # ------------------------------------------------------------------------------------------------------- dk, dv
 def _dkv_kernel(rng_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, *rest, c, scale,
-                block_q, groups, heads, has_seg, has_window, with_dq, store_ds):
+                block_q, groups, heads, has_seg, has_window, store_ds):
     """One key block of one KV head; loops over (query block, block of `heads` query heads) pairs of its group.
     The logits are computed transposed ([block_k, query rows]) so dk and dv accumulate without transposes.
-    with_dq (the fused backward): each step also adds its unscaled dq contribution ds . k to the zero-initialised
-    fp32 dq with atomic adds (programs of other key blocks add to the same rows; the order is not fixed).
     store_ds: step t also writes its ds tile [block_k, query rows] whole to dS tile rng[4] + t (`ds_tile_offsets`)."""
-    if with_dq:
-        qs_ref, ks_ref, window, (_, dk_ref, dv_ref, dq_ref) = _optional_refs(rest, has_seg, has_window, 4)
-    elif store_ds:
+    if store_ds:
         qs_ref, ks_ref, window, (dk_ref, dv_ref, ds_ref) = _optional_refs(rest, has_seg, has_window, 3)
     else:
         qs_ref, ks_ref, window, (dk_ref, dv_ref) = _optional_refs(rest, has_seg, has_window, 2)
@@ -344,7 +339,6 @@ def _dkv_kernel(rng_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref
     # only dk) came out 5-16% wrong and run-to-run different on the H200 while exact in interpret mode.
     row = lax.broadcasted_iota(jnp.int32, (block_q * heads,), 0)
     row_pos, row_head = lax.div(row, heads), lax.rem(row, heads)
-    col = lax.broadcasted_iota(jnp.int32, (k.shape[1],), 0)
 
     def run(lo, hi, carry, masked):
         first_tile = rng_ref[4] + (lo - rng_ref[0]) * head_blocks if store_ds else None
@@ -370,11 +364,6 @@ def _dkv_kernel(rng_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref
             dv = dv + plgpu.dot(p_t.astype(do.dtype), do)
             dp_t = plgpu.dot(v, do, trans_b=True)
             ds_t = (p_t * (dp_t - delta_ref[hd, pos][None, :])).astype(q.dtype)
-            if with_dq:
-                dq_part = plgpu.dot(ds_t, k, trans_a=True)  # [query rows, dp]
-                # stacked: integer indices on every axis (the interpreter's atomics reject mixed slice/array ones)
-                idx = (pos, hd, slice(None)) if heads == 1 else (pos[:, None], hd[:, None], col[None, :])
-                relaxed_atomic_add(dq_ref, idx, dq_part)
             if store_ds:
                 ds_ref[first_tile + t] = ds_t
             return dk + plgpu.dot(ds_t, q), dv
@@ -408,15 +397,6 @@ def backward_dkv(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window,
                      blocks=blocks)
 
 
-def backward_fused(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ranges, *, scale, blocks):
-    """The whole backward in one kernel over key blocks (dk/dv tiling, `ranges` per key block):
-    -> (dk, dv) in k.dtype, dq [B, Tp, H, dp] fp32 WITHOUT the softmax scale (the caller scales and casts).
-    Five matmuls per tile instead of the split path's seven, for fp32 atomic adds of dq; the summation order of
-    dq varies from run to run (use the split path where bitwise reproducibility matters)."""
-    return _dkv_call(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ranges, scale=scale,
-                     blocks=blocks, with_dq=True)
-
-
 def dkv_layout(H: int, KV: int, B: int, Sp: int, blocks) -> tuple[int, int, int]:
     """(split, groups, heads) of the dk/dv kernel: programs per KV head, query heads per program, heads per tile."""
     split = dkv_split(H, KV, B, Sp // blocks.dkv_k, blocks.dkv_split)
@@ -425,7 +405,7 @@ def dkv_layout(H: int, KV: int, B: int, Sp: int, blocks) -> tuple[int, int, int]
 
 
 def _dkv_call(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ranges, *, scale, blocks,
-              with_dq=False, n_tiles=None):
+              n_tiles=None):
     B, Tp, H, dp = q.shape
     Sp, KV = k.shape[1], k.shape[2]
     bq, bk = blocks.dkv_q, blocks.dkv_k
@@ -449,33 +429,26 @@ def _dkv_call(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ra
     out_dtype = k.dtype if split == 1 else F32  # partial sums stay fp32 until they are added
     out_shape = vma.out_struct((B, Sp, KV * split, dp), out_dtype, q)
     args = [ranges, q, k, v, do, lse2, delta, q_pos, kv_pos, *opt_arrays]
-    out_specs, out_shapes, aliases = [out_spec, out_spec], [out_shape, out_shape], {}
-    if with_dq:  # dq accumulates in place in a zeroed fp32 buffer; a program adds to its own query heads' rows
-        aliases = {len(args): 2}
-        args.append(vma.vary(jnp.zeros((B, Tp, H, dp), F32), vma.varying_axes(q)))
-        in_specs.append(group_spec)
-        out_specs.append(group_spec)
-        out_shapes.append(vma.out_struct((B, Tp, H, dp), F32, q))
+    out_specs, out_shapes = [out_spec, out_spec], [out_shape, out_shape]
     if store_ds:  # the program's own dS tiles (only those its loop visits are written)
         out_specs.append(pl.BlockSpec((None, None, n_tiles, bk, bq * heads), lambda g, b, j: (b, g, 0, 0, 0)))
         out_shapes.append(vma.out_struct((B, KV * split, n_tiles, bk, bq * heads), q.dtype, q))
     outs = pl.pallas_call(
         functools.partial(_dkv_kernel, c=scale * LOG2E, scale=scale, block_q=bq, groups=groups, heads=heads,
-                          has_seg=has_seg, has_window=window is not None, with_dq=with_dq, store_ds=store_ds),
+                          has_seg=has_seg, has_window=window is not None, store_ds=store_ds),
         grid=(KV * split, B, nk),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shapes,
-        input_output_aliases=aliases,
         compiler_params=platform.compiler_params(blocks.dkv_warps, blocks.dkv_stages),
-        interpret=platform.interpret(), name="cca_attention_bwd_fused" if with_dq else "cca_attention_dkv",
+        interpret=platform.interpret(), name="cca_attention_dkv",
     )(*args)
     dk, dv = outs[0], outs[1]
     if split > 1:
         dk = dk.reshape(B, Sp, KV, split, dp).sum(axis=3)
         dv = dv.reshape(B, Sp, KV, split, dp).sum(axis=3)
     dk, dv = dk.astype(k.dtype), dv.astype(v.dtype)
-    return (dk, dv, outs[2]) if (with_dq or store_ds) else (dk, dv)
+    return (dk, dv, outs[2]) if store_ds else (dk, dv)
 
 
 # ---------------------------------------------------------------------------------------------- dq from dS tiles

@@ -111,10 +111,7 @@ def _flash_bwd(cfg: _Config, res, cotangents):
     dkv_ranges = _loop_ranges(cfg, *masks, b.dkv_q, b.dkv_k, per_kv_block=True, as_numpy=True)
     tiles = _tiles_plan(cfg, q, k, dkv_ranges) if b.bwd == "tiles" else None
     dkv_ranges = jnp.asarray(dkv_ranges)
-    if b.bwd == "atomic":
-        dk, dv, dq = kern.backward_fused(q, k, v, do, lse2, delta, *masks, dkv_ranges, scale=cfg.scale, blocks=b)
-        dq = (dq * cfg.scale).astype(q.dtype)
-    elif tiles is not None:
+    if tiles is not None:
         kv_ranges, n_tiles = tiles
         dk, dv, ds = kern.backward_dkv_tiles(q, k, v, do, lse2, delta, *masks, kv_ranges, scale=cfg.scale, blocks=b,
                                              n_tiles=n_tiles)

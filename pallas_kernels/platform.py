@@ -43,7 +43,7 @@ def dot_precision(dtype):
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
-BACKWARDS = ("split", "atomic", "tiles")
+BACKWARDS = ("split", "tiles")
 FORWARD_SHIFTS = ("bound", "online")
 
 
@@ -73,8 +73,7 @@ class AttentionBlocks:
     dkv_heads: int = 1
     dkv_split: int = 0  # programs per KV head in dk/dv (0: enough to fill the GPU, see backward_dkv)
     # Backward: 'split' = a dq kernel over key blocks + a dk/dv kernel over query blocks (deterministic);
-    # 'atomic' = one kernel with the dk/dv tiling adding dq with fp32 atomics (5 matmuls per tile instead of 7,
-    # summation order of dq not fixed); 'tiles' = the dk/dv kernel also writes each dS tile whole and contiguous,
+    # 'tiles' = the dk/dv kernel also writes each dS tile whole and contiguous,
     # and a dq kernel reads them back (5 matmuls per tile, deterministic, dS held in between; the split path is
     # used where dS would exceed TILES_MAX_BYTES).
     bwd: str = "split"
@@ -101,14 +100,14 @@ class AttentionBlocks:
 _ATTENTION = {
     # Keys: the backend (`vendor()`). Fields (AttentionBlocks): fwd_* / dq_* / dkv_* are the forward, dq and dk/dv
     # kernels' tiles (`_q` query positions, `_k` key positions per tile), warps and software-pipeline stages;
-    # `*_heads` stacks that many query heads of one KV head in a tile; `bwd` picks the backward ('split', 'atomic',
+    # `*_heads` stacks that many query heads of one KV head in a tile; `bwd` picks the backward ('split' or
     # 'tiles'), `tiles_dq_*` launch the dq-from-dS-tiles kernel. Unset fields take the dataclass defaults.
     # CUDA row (H200, 8 q / 2 kv heads, d=128): 128 x 128 forward tiles with 8 warps and 3 stages were the fastest
     # forward under the bound shift; dk/dv stacks 2 query heads (closer to cuDNN than unstacked); the 'tiles'
     # backward is faster than 'split' at 4k (the long-row override below keeps 'split'). Variants measured slower
     # or not reachable from Pallas (lazy rescale, FMA-pipe exponentials, denormal flushing, one warpgroup per
-    # program, register operands, warp specialization, TMA reduce-add, two-pass atomic backward, ...) were removed;
-    # their figures are in docs/experiments.md.
+    # program, register operands, warp specialization, TMA reduce-add, two-pass and fused atomic-dq backwards,
+    # ...) were removed; their figures are in docs/experiments.md.
     "cuda": AttentionBlocks(fwd_q=128, fwd_k=128, fwd_warps=8, fwd_stages=3, dq_stages=4, dkv_q=32, dkv_heads=2,
                             bwd="tiles", tiles_dq_stages=2),
     # MI300X: 64-lane wavefronts (4 waves = 256 lanes), AMD's Triton pipeliner wants num_stages 1-2.

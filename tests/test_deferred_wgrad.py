@@ -4,9 +4,9 @@ embedding lookup's gradient taken out as rows (zaya_jax/model/embedding_tap.py):
     per-layer view, the embedding table's (head GEMM, then the rows scattered) equal its gradient to fp32 rounding,
     and the experts' gradients formed from the taps equal theirs (fp32: to rounding; bf16: to the compute dtype's
     rounding of the plain path, which the deferred sum does not do);
-  * the accumulating step with both (k = 4 microbatches, 2 per pass, the Pallas grouped GEMM in interpret mode,
-    the chunked head loss) gives the same new state as with neither;
-  * with the tap, the tied head reads the table cast to the compute dtype once per step, not once per pass;
+  * the accumulating step with deferral (k = 4 microbatches, 2 per pass, the Pallas grouped GEMM in interpret mode,
+    the chunked head loss) gives the same new state as without it (both tapped: the step always taps);
+  * the tapped step's tied head reads the table cast to the compute dtype once per step, not once per pass;
   * configurations it cannot serve are named."""
 
 import jax
@@ -76,11 +76,11 @@ def test_one_microbatch_gradients_at_the_deferred_view(dtype, expert_tol):
             np.testing.assert_array_equal(np.asarray(got[k]), want[k], err_msg=k)
 
 
-def test_the_accumulating_step_with_deferral_and_rows_tap_matches_the_step_without():
+def test_the_accumulating_step_with_deferral_matches_the_step_without():
     cfg = config("float32")
     kwargs = dict(compute_dtype="float32", per_layer_view=True, grads_per_pass=2, ce_chunk_tokens=16)
     _, state, deferred, _ = accumulating_setup(cfg, 1, defer_expert_wgrad=True, **kwargs)
-    _, _, plain, _ = accumulating_setup(cfg, 1, embedding_rows_tap=False, **kwargs)
+    _, _, plain, _ = accumulating_setup(cfg, 1, **kwargs)
     batches = stacked_batches(cfg, k=4)
     got, got_metrics = jax.device_get(jax.jit(deferred)(state, batches))
     want, want_metrics = jax.device_get(jax.jit(plain)(state, batches))
@@ -94,11 +94,10 @@ def test_the_tapped_step_casts_the_tied_head_once_per_step():
     cfg = config("bfloat16")
     table = {(cfg.vocab_size, cfg.hidden_size)}
     f32, bf16, convert = jnp.float32, jnp.bfloat16, ("convert_element_type",)
-    for tap, cast_in_loop in ((True, False), (False, True)):
-        _, state, step, _ = accumulating_setup(cfg, 1, compute_dtype="bfloat16", per_layer_view=True,
-                                               ce_chunk_tokens=16, embedding_rows_tap=tap)
-        casts = ops_on(step, state, stacked_batches(cfg, k=2), convert, f32, bf16, table)
-        assert casts and any(casts) == cast_in_loop, (tap, casts)
+    _, state, step, _ = accumulating_setup(cfg, 1, compute_dtype="bfloat16", per_layer_view=True,
+                                           ce_chunk_tokens=16)
+    casts = ops_on(step, state, stacked_batches(cfg, k=2), convert, f32, bf16, table)
+    assert casts and not any(casts), casts  # cast before the loop, none inside it
 
 
 def test_configurations_deferral_cannot_serve_are_named():

@@ -54,13 +54,9 @@ def _check(q, k, v, do, dtype, blocks=None, **kw):
 # T = 45 is a multiple of no block; 8 query heads on 2 KV heads as in ZAYA1. dk/dv with the 4 query heads of
 # a KV head in one program, or shared by two (partial sums added afterwards); query heads stacked into the rows
 # of one tile (1: one head per tile, 4: the whole group; the CPU default used by the other tests stacks 2).
-# bwd='atomic': the fused backward (dq by atomic adds; in interpret mode the programs run in order, so the adds
-# accumulate exactly like the GPU's, only in a fixed order), with one head per tile and with stacked heads on a
-# split group. bwd='tiles': dq from the dS tiles the dk/dv kernel wrote (tile offsets per key block, stacked rows
+# bwd='tiles': dq from the dS tiles the dk/dv kernel wrote (tile offsets per key block, stacked rows
 # scattered back to their heads).
 @pytest.mark.parametrize("dtype,dkv_split,heads,bwd", [(jnp.float32, 1, 1, "split"), (jnp.bfloat16, 2, 4, "split"),
-                                                       (jnp.float32, 1, 1, "atomic"),
-                                                       (jnp.bfloat16, 2, 2, "atomic"),
                                                        (jnp.float32, 1, 4, "tiles"), (jnp.bfloat16, 2, 2, "tiles")])
 def test_causal_gqa(dtype, dkv_split, heads, bwd):
     q, k, v, do = _qkv(0, 2, 45, 45, 8, 2, 32, dtype)
@@ -129,7 +125,7 @@ def test_odd_head_dim_group_of_three_and_mqa():
     _check(q, k, v, do, jnp.float32, scale=0.3)
 
 
-@pytest.mark.parametrize("bwd", ["split", "atomic", "tiles"])
+@pytest.mark.parametrize("bwd", ["split", "tiles"])
 def test_sliding_window_segments_and_padding(bwd):
     B, T = 2, 48
     q, k, v, do = _qkv(3, B, T, T, 4, 2, 16, jnp.float32)
@@ -141,8 +137,8 @@ def test_sliding_window_segments_and_padding(bwd):
 
 
 def test_backward_choice_is_checked_and_long_sequences_get_their_row(monkeypatch):
-    with pytest.raises(ValueError, match="bwd='fused'"):
-        platform.AttentionBlocks(bwd="fused")
+    with pytest.raises(ValueError, match="bwd='atomic'"):
+        platform.AttentionBlocks(bwd="atomic")
     with pytest.raises(ValueError, match="fwd_shift='max'"):
         platform.AttentionBlocks(fwd_shift="max")
     monkeypatch.setattr(platform, "vendor", lambda: "cuda")
@@ -315,7 +311,6 @@ def _sharded_inputs(seed, B, T, H, KV, d, dtype):
 # each). In the 'kv' layout the kernels' first input (q) is invariant, yet their outputs must be typed varying.
 @pytest.mark.parametrize("chunked,summed", [("q", 2), ("kv", 1)])
 @pytest.mark.parametrize("bwd,kernels", [("split", ("cca_attention_dq", "cca_attention_dkv")),
-                                         ("atomic", ("cca_attention_bwd_fused",)),
                                          ("tiles", ("cca_attention_dkv", "cca_attention_dq_tiles"))])
 def test_fwd_bwd_lower_for_cuda_inside_shard_map(monkeypatch, bwd, kernels, chunked, summed):
     monkeypatch.setattr(platform, "interpret", lambda: False)
@@ -365,9 +360,8 @@ def test_gpu_attention_masks_and_positions(bwd):
 # dk/dv with stacked query heads gave dk 5-16% off (and run-to-run different) on the H200 while dq/dv were right;
 # the dk/dv kernel now gathers the stacked rows from memory. One head per 64-row tile is the unstacked control.
 @pytest.mark.gpu
-@pytest.mark.parametrize("bwd,dkv_q,dkv_heads", [("split", 32, 2), ("split", 16, 4), ("atomic", 32, 2),
-                                                 ("atomic", 16, 4), ("split", 64, 1), ("tiles", 32, 2),
-                                                 ("tiles", 16, 4), ("tiles", 64, 1)])
+@pytest.mark.parametrize("bwd,dkv_q,dkv_heads", [("split", 32, 2), ("split", 16, 4), ("split", 64, 1),
+                                                 ("tiles", 32, 2), ("tiles", 16, 4), ("tiles", 64, 1)])
 def test_gpu_stacked_dkv_heads_causal_gqa(bwd, dkv_q, dkv_heads, T=2048):
     q, k, v, do = _qkv(12, 2, T, T, 8, 2, 128, jnp.bfloat16)
     blocks = dataclasses.replace(platform.attention_blocks(128, T), bwd=bwd, dkv_q=dkv_q, dkv_heads=dkv_heads)
@@ -376,14 +370,13 @@ def test_gpu_stacked_dkv_heads_causal_gqa(bwd, dkv_q, dkv_heads, T=2048):
     errs = {name: rel_err(a, b) for name, a, b in zip(("o", "dq", "dk", "dv"), got,
                                                       _upcast_reference(q, k, v, do, {}))}
     assert max(errs.values()) <= 1e-2, errs
-    if bwd != "atomic":  # no atomics: a race inside the kernel would show as run-to-run differences
-        again = _fwd_bwd(fn, q, k, v, do, {})
-        for name, a, b in zip(("dq", "dk", "dv"), got[1:], again[1:]):
-            assert np.array_equal(np.asarray(a), np.asarray(b)), f"{name} differs between two identical runs"
+    again = _fwd_bwd(fn, q, k, v, do, {})  # no atomics: a race inside the kernel would show as run-to-run differences
+    for name, a, b in zip(("dq", "dk", "dv"), got[1:], again[1:]):
+        assert np.array_equal(np.asarray(a), np.asarray(b)), f"{name} differs between two identical runs"
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bwd", ["split", "atomic", "tiles"])
+@pytest.mark.parametrize("bwd", ["split", "tiles"])
 def test_gpu_attention_inside_shard_map(bwd):
     """Context-parallel query chunks over the real devices (check_vma): the gradients match the whole problem's
     (XLA reference in fp32, one shard)."""

@@ -75,8 +75,7 @@ def build_fn(v: Variant, cfg, tx):
                                                     compute_dtype=cfg.dtype if v.cast_weights_once else None,
                                                     per_layer_view=per_layer_view, grads_per_pass=v.grads_per_pass,
                                                     defer_expert_wgrad=v.defer_expert_wgrad and per_layer_view
-                                                    and cfg.moe_impl == "pallas",
-                                                    embedding_rows_tap=v.embedding_rows_tap),
+                                                    and cfg.moe_impl == "pallas"),
                        donate_argnums=0)
     loss_fn = make_loss_fn(graphdef, False, ce_chunk_tokens=v.ce_chunk)
     if v.kind == "fwd":

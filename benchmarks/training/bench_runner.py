@@ -255,8 +255,7 @@ class Runner:
                 "attention_impl": v.attention_impl, "remat": v.remat, "moe_impl": v.moe_impl, "ce_chunk": v.ce_chunk,
                 "ce_impl": v.ce_impl, "norm_impl": v.norm_impl, "conv_impl": v.conv_impl, "scan_layers": v.scan_layers,
                 **({"cast_weights_once": v.cast_weights_once, "per_layer_view": v.per_layer_view,
-                    "grads_per_pass": v.grads_per_pass, "defer_expert_wgrad": v.defer_expert_wgrad,
-                    "embedding_rows_tap": v.embedding_rows_tap}
+                    "grads_per_pass": v.grads_per_pass, "defer_expert_wgrad": v.defer_expert_wgrad}
                    if v.kind == "accum" else {}),
                 **({"moe_tiling": dict(v.moe_tiling)} if v.moe_tiling else {}),
                 "optimizer": v.optimizer, "compile_s": item.get("compile_s"), "lower_s": item.get("lower_s"),

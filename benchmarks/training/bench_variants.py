@@ -32,7 +32,6 @@ class Variant:
     per_layer_view: bool = True  # kind 'accum', unrolled layers: the view sliced per layer once per step
     grads_per_pass: int = 1  # kind 'accum': microbatch gradients added to the fp32 sum in one pass (train option)
     defer_expert_wgrad: bool = False  # kind 'accum': expert weight gradients formed once per pass (train option)
-    embedding_rows_tap: bool = True  # kind 'accum': the lookup's gradient as rows (model/embedding_tap.py)
     moe_tiling: tuple[tuple[str, int], ...] = ()  # GroupedTiling fields replaced while tracing (moe_impl 'pallas')
     max_steps: int | None = None  # cap on timed calls (long programs)
     note: str = ""
@@ -143,10 +142,6 @@ def default_variants(batch: int, seq: int, gpu: bool, long_seq: int, ladder: lis
 # benchmarks/train_h200_grads_per_pass8.json against train_h200.json).
 GRADS_PER_PASS = 4
 
-# The grouped-GEMM defaults replaced after benchmarks/moe_sweep_h200.json (an A/B inside the training step)
-PREVIOUS_MOE_TILING = (("fwd_stages", 3), ("dgrad_n", 128), ("dgrad_stages", 3), ("wgrad_k", 128))
-
-
 def extra_variants(batch: int, seq: int, gpu: bool, cudnn: bool = False) -> list[Variant]:
     """Exploration, opt-in by name (--variants): measured before, not part of the issue's figures."""
     main = main_variant(batch, seq, gpu, cudnn)
@@ -185,9 +180,6 @@ def extra_variants(batch: int, seq: int, gpu: bool, cudnn: bool = False) -> list
         r(accum16, name="accum16_no_defer", defer_expert_wgrad=False,
           note="accum16 with each microbatch's expert weight gradients in bf16, added to the fp32 sum per pass (no "
                "deferral, model/deferred_wgrad.py)"),
-        r(accum16, name="accum16_no_rows_tap", embedding_rows_tap=False,
-          note="accum16 with the embedding lookup's gradient scattered into each microbatch's table gradient (no "
-               "rows tap, model/embedding_tap.py)"),
         r(accum16, name="accum16_cudnn_attn", attention_impl="cudnn" if gpu else "xla",
           note="accum16 with cuDNN's attention"),
         r(accum16, name="accum16_pallas_attn", attention_impl="pallas" if gpu else "xla",
@@ -195,9 +187,6 @@ def extra_variants(batch: int, seq: int, gpu: bool, cudnn: bool = False) -> list
         r(accum16, name="accum16_xla_conv", conv_impl="xla",
           note="accum16 with XLA's CCA q/k mixing (both convolutions, mean residual paths)"),
         r(accum16, name="accum16_ce4096", ce_chunk=4096, note="accum16, CE chunks of 4096 tokens"),
-        *(r(v, name=f"{v.name}_moe_prev_tiles", moe_tiling=PREVIOUS_MOE_TILING,
-            note=f"{v.name} with the grouped-GEMM tiles before benchmarks/moe_sweep_h200.json")
-          for v in (fwd_bwd, accum16)),
         *(r(v, name=f"{v.name}_moe_rows64", moe_tiling=(("block_rows", 64),),
             note=f"{v.name} with 64-row grouped-GEMM tiles (half the padding of each expert's rows)")
           for v in (fwd_bwd, accum16)),

@@ -122,8 +122,7 @@ def _group_size(k: int, wanted: int) -> int:
 def make_accumulating_train_step(graphdef, tx: optax.GradientTransformation, balancer: BalancerConfig, *,
                                  reset_at_documents: bool = False, ce_chunk_tokens: int | None = None, grad_fn=None,
                                  compute_dtype=None, per_layer_view: bool = False, grads_per_pass: int = 1,
-                                 defer_expert_wgrad: bool = False, embedding_rows_tap: bool = True,
-                                 balance_tokens: bool | None = None):
+                                 defer_expert_wgrad: bool = False, balance_tokens: bool | None = None):
     """train_step(state, batches) -> (state, metrics): one optimizer step over the k microbatches of `batches`
     (every field [k, rows, ...]; k is static, so each k compiles its own program). grad_fn(params, model_state,
     batch) -> ((loss, expert counts), grads) replaces value_and_grad of the model loss (data/context parallelism in
@@ -142,8 +141,8 @@ def make_accumulating_train_step(graphdef, tx: optax.GradientTransformation, bal
     (model/deferred_wgrad.py: the same sum without their per-microbatch rounding to the compute dtype).
     balance_tokens (with the default grad_fn; default: the controller is on): routers select with the
     per-microbatch balancing correction (model/router.py).
-    embedding_rows_tap (with the default grad_fn): the embedding lookup's gradient comes out as rows, scattered into
-    the fp32 sum after the pass, so the table's gradient is the head GEMM alone, added to the sum in place
+    With k > 1 and the default grad_fn, the embedding lookup's gradient comes out as rows, scattered into the fp32
+    sum after the pass, so the table's gradient is the head GEMM alone, added to the sum in place
     (model/embedding_tap.py: the same terms in another order).
 
     Metrics: loss and the per-layer routing figures (`routing/NAME`, [L]: optim/balancing.py RoutingHealth) are means
@@ -182,7 +181,7 @@ def make_accumulating_train_step(graphdef, tx: optax.GradientTransformation, bal
             if defer_expert_wgrad:
                 tokens = batches["inputs"].shape[1] * batches["inputs"].shape[2]
                 grad_view = deferred_wgrad.defer_expert_wgrads(view, tokens, gmm.block_rows(compute_dtype))
-            tap_rows = embedding_rows_tap and not custom_grad_fn
+            tap_rows = not custom_grad_fn
             if tap_rows:
                 grad_view = embedding_tap.tap(grad_view, batches["inputs"].shape[1:3], compute_dtype)
 
