@@ -33,22 +33,22 @@ from pallas_kernels import platform  # noqa: E402
 H, KV, D = 8, 2, 128
 
 
-def _fwd(q, k, warps, stages, heads=1, **extra):
-    return dict(fwd_q=q, fwd_k=k, fwd_warps=warps, fwd_stages=stages, fwd_heads=heads, **extra)
+def _fwd(q, k, warps, stages, **extra):
+    return dict(fwd_q=q, fwd_k=k, fwd_warps=warps, fwd_stages=stages, **extra)
 
 
 def _dkv(q, heads, k, warps, stages):
     return dict(dkv_q=q, dkv_heads=heads, dkv_k=k, dkv_warps=warps, dkv_stages=stages)
 
 
-def _dq(q, k, warps, stages, heads=1):
-    return dict(dq_q=q, dq_k=k, dq_warps=warps, dq_stages=stages, dq_heads=heads)
+def _dq(q, k, warps, stages):
+    return dict(dq_q=q, dq_k=k, dq_warps=warps, dq_stages=stages)
 
 
 # Variant name -> fields replaced in the table's row for the shape (which includes the long-sequence forward).
 # split_qXhY fix the dk/dv tiling (dkv_q=X positions x Y stacked heads), dkv_qXhYkKwWsS also its key
-# tile, warps and pipeline stages; fwd_qXkYwZsS[hH] fix the forward's (query x key tile, warps, pipeline stages,
-# stacked heads), dq_qXkYwZsS[hH] the dq kernel's. Each keeps the rest of the row.
+# tile, warps and pipeline stages; fwd_qXkYwZsS fix the forward's (query x key tile, warps, pipeline stages),
+# dq_qXkYwZsS the dq kernel's. Each keeps the rest of the row.
 VARIANTS = {
     "split": {},
     "split_q32h2": dict(dkv_q=32, dkv_heads=2),
@@ -80,19 +80,14 @@ VARIANTS = {
     "fwd_q128k32w8s4": _fwd(128, 32, 8, 4),
     "fwd_q64k128w4s3": _fwd(64, 128, 4, 3),
     "fwd_q128k64w8s4": _fwd(128, 64, 8, 4),
-    "fwd_q64k128w8s2h2": _fwd(64, 128, 8, 2, 2),
     "fwd_q64k64w4s4": _fwd(64, 64, 4, 4),
     "fwd_q64k64w4s2": _fwd(64, 64, 4, 2),
     "fwd_q64k32w4s3": _fwd(64, 32, 4, 3),
-    # 256 query rows per K/V tile (half the K/V traffic per flop of 128): 4 warpgroups, or 2 stacked heads
+    # 256 query rows per K/V tile (half the K/V traffic per flop of 128): 4 warpgroups
     "fwd_q256k64w16s3": _fwd(256, 64, 16, 3),
     "fwd_q256k64w16s2": _fwd(256, 64, 16, 2),
     "fwd_q256k32w16s3": _fwd(256, 32, 16, 3),
     "fwd_q256k64w8s2": _fwd(256, 64, 8, 2),
-    "fwd_q128k64w16s3h2": _fwd(128, 64, 16, 3, 2),
-    # 128 rows as positions x stacked heads of one KV head: each K/V tile read once for 2 or 4 query heads (slower)
-    "fwd_q32k128w8s3h4": _fwd(32, 128, 8, 3, 4),
-    "fwd_q64k128w8s3h2": _fwd(64, 128, 8, 3, 2),
     # one warpgroup per program and two programs per SM (<= ~113 KB of shared memory each), so that one program's
     # exponentials could overlap the other's matmuls (measured slower at 32k: platform's table notes)
     "fwd_q128k64w4s2": _fwd(128, 64, 4, 2),
@@ -106,10 +101,6 @@ VARIANTS = {
     "dq_q64k128w4s2": _dq(64, 128, 4, 2),
     "dq_q64k128w4s3": _dq(64, 128, 4, 3),
     "dq_q64k64w4s3": _dq(64, 64, 4, 3),
-    "dq_q64k64w8s3h2": _dq(64, 64, 8, 3, 2),
-    "dq_q64k128w8s2h2": _dq(64, 128, 8, 2, 2),
-    "dq_q32k64w8s4h4": _dq(32, 64, 8, 4, 4),
-    "dq_q64k64w8s4h2": _dq(64, 64, 8, 4, 2),
     # one warpgroup per program, two programs per SM (as the forward's w4 variants)
     "dq_q128k32w4s2": _dq(128, 32, 4, 2),
     "dq_q64k64w4s2": _dq(64, 64, 4, 2),

@@ -33,24 +33,18 @@ from pallas_kernels.platform import AttentionBlocks
 
 H, KV, D = 8, 2, 128
 
-# Per pass: (fields replaced in the table's entry). Stacked heads (`*_heads`) put 128 query rows of 32-64
-# positions in a tile (finer causal tiles), and in dk/dv widen the query side of the matmuls beyond 32.
+# Per pass: (fields replaced in the table's entry). Stacked heads (`dkv_heads`) put 128 query rows of 32-64
+# positions in a dk/dv tile (finer causal tiles) and widen the query side of its matmuls beyond 32.
 ATTENTION_CANDIDATES = {
     "fwd": [
-        dict(fwd_q=128, fwd_k=64, fwd_warps=8, fwd_stages=3, fwd_heads=1),
-        dict(fwd_q=64, fwd_k=64, fwd_warps=8, fwd_stages=3, fwd_heads=2),
-        dict(fwd_q=32, fwd_k=64, fwd_warps=8, fwd_stages=3, fwd_heads=4),
-        dict(fwd_q=128, fwd_k=128, fwd_warps=8, fwd_stages=2, fwd_heads=1),
-        dict(fwd_q=32, fwd_k=128, fwd_warps=8, fwd_stages=2, fwd_heads=4),
-        dict(fwd_q=64, fwd_k=64, fwd_warps=4, fwd_stages=3, fwd_heads=1),
-        dict(fwd_q=64, fwd_k=64, fwd_warps=8, fwd_stages=3, fwd_heads=4),
+        dict(fwd_q=128, fwd_k=64, fwd_warps=8, fwd_stages=3),
+        dict(fwd_q=128, fwd_k=128, fwd_warps=8, fwd_stages=2),
+        dict(fwd_q=64, fwd_k=64, fwd_warps=4, fwd_stages=3),
     ],
     "dq": [
-        dict(dq_q=128, dq_k=64, dq_warps=8, dq_stages=3, dq_heads=1),
-        dict(dq_q=32, dq_k=64, dq_warps=8, dq_stages=3, dq_heads=4),
-        dict(dq_q=64, dq_k=64, dq_warps=8, dq_stages=3, dq_heads=2),
-        dict(dq_q=128, dq_k=32, dq_warps=8, dq_stages=4, dq_heads=1),
-        dict(dq_q=128, dq_k=128, dq_warps=8, dq_stages=2, dq_heads=1),
+        dict(dq_q=128, dq_k=64, dq_warps=8, dq_stages=3),
+        dict(dq_q=128, dq_k=32, dq_warps=8, dq_stages=4),
+        dict(dq_q=128, dq_k=128, dq_warps=8, dq_stages=2),
     ],
     "dkv": [
         dict(dkv_q=32, dkv_k=128, dkv_warps=8, dkv_stages=3, dkv_heads=1),

@@ -10,11 +10,13 @@ the BlockSpec index map, so repeated K/V are never materialised. Inside shard_ma
 inputs vary over the union of their mesh axes and its outputs carry that type (`vma`); the caller sums gradients
 back to their primals' types.
 
-Head stacking: a tile of query rows may hold `heads` query heads of one KV head at the same positions, stacked
-position-major ([block_q, heads, dp] -> [block_q * heads, dp]). All of them share every K/V tile, so one program
-does the work of `heads` programs with the same K/V loads, and the causal loop ranges (which depend on positions
-only) stay those of block_q positions: a 128-row tile of 32 positions x 4 heads wastes a quarter of the diagonal
-work of a 128-position tile. In dk/dv it widens the query side of every matmul from block_q to block_q * heads.
+Head stacking (dk/dv and the dq-from-dS-tiles kernel): a tile of query rows may hold `heads` query heads of one KV
+head at the same positions, stacked position-major ([block_q, heads, dp] -> [block_q * heads, dp]). All of them
+share every K/V tile, so one program does the work of `heads` programs with the same K/V loads, and the causal loop
+ranges (which depend on positions only) stay those of block_q positions: a 128-row tile of 32 positions x 4 heads
+wastes a quarter of the diagonal work of a 128-position tile. It widens the query side of every dk/dv matmul from
+block_q to block_q * heads. The forward and dq kernels take one query head per tile (stacking measured slower
+there, docs/experiments.md).
 
 Logits are kept in base 2: s2 = (q . k) * scale * log2(e), so the softmax uses exp2 and the saved statistic is
 lse2 = log2(sum 2^s2). Masked logits are NEG; a row that sees no key gets lse2 = DEAD_LSE and a zero output, so
@@ -70,30 +72,6 @@ def _visible(q_pos, kv_pos, q_seg, kv_seg, window):
     return ok
 
 
-# Tiles with stacked heads: rows are (position, head) pairs, position-major.
-def _stack(tile, heads: int):
-    """[n, heads, dp] -> [n * heads, dp] (a [n, dp] tile when heads == 1 is returned as is)."""
-    return tile if heads == 1 else tile.reshape(tile.shape[0] * heads, tile.shape[-1])
-
-
-def _unstack(tile, heads: int):
-    return tile if heads == 1 else tile.reshape(tile.shape[0] // heads, heads, tile.shape[-1])
-
-
-def _per_row(vec, heads: int):
-    """[n] per position -> [n * heads] per stacked row."""
-    return vec if heads == 1 else jnp.broadcast_to(vec[:, None], (vec.shape[0], heads)).reshape(-1)
-
-
-def _stats_rows(stats, heads: int):
-    """[heads, n] row statistics (lse, delta) -> [n * heads] in stacked-row order."""
-    return stats if heads == 1 else stats.T.reshape(-1)
-
-
-def _stats_unstack(vec, heads: int):
-    return vec if heads == 1 else vec.reshape(vec.shape[0] // heads, heads).T
-
-
 def _three_loops(rng_ref, run, carry):
     """run(lo, hi, carry, masked) over [lo, u0) masked, [u0, u1) unmasked, [u1, hi) masked."""
     lo, u0, u1, hi = rng_ref[0], rng_ref[1], rng_ref[2], rng_ref[3]
@@ -123,21 +101,20 @@ def _optional_inputs(q_spec, kv_spec, q_seg, kv_seg, window):
     return specs, arrays
 
 
-def _query_grid_specs(B, Tp, Sp, H, KV, dp, bq, heads):
-    """BlockSpecs of the (head block, batch, query block) grid of the forward and dq kernels: query-side tiles,
-    whole-sequence K/V of the head block's KV head, row statistics, position vectors and loop ranges. The
+def _query_grid_specs(B, Tp, Sp, H, KV, dp, bq):
+    """BlockSpecs of the (query head, batch, query block) grid of the forward and dq kernels: query-side tiles,
+    whole-sequence K/V of the query head's KV head, row statistics, position vectors and loop ranges. The
     heaviest (last) query blocks launch first (grid axis 2 is the slowest): a shorter tail under causal
     imbalance."""
-    nq, blocks_per_kv = Tp // bq, H // KV // heads
+    nq, groups = Tp // bq, H // KV
 
     def qi(i):
         return nq - 1 - i
 
-    head_dim = None if heads == 1 else heads
     return dict(
-        q=pl.BlockSpec((None, bq, head_dim, dp), lambda h, b, i: (b, qi(i), h, 0)),
-        kv=pl.BlockSpec((None, Sp, None, dp), lambda h, b, i: (b, 0, lax.div(h, blocks_per_kv), 0)),
-        stats=pl.BlockSpec((None, head_dim, bq), lambda h, b, i: (b, h, qi(i))),
+        q=pl.BlockSpec((None, bq, None, dp), lambda h, b, i: (b, qi(i), h, 0)),
+        kv=pl.BlockSpec((None, Sp, None, dp), lambda h, b, i: (b, 0, lax.div(h, groups), 0)),
+        stats=pl.BlockSpec((None, None, bq), lambda h, b, i: (b, h, qi(i))),
         q_vec=pl.BlockSpec((None, bq), lambda h, b, i: (b, qi(i))),
         kv_vec=pl.BlockSpec((None, Sp), lambda h, b, i: (b, 0)),
         ranges=pl.BlockSpec((None, None, 4), lambda h, b, i: (b, qi(i), 0)),
@@ -152,8 +129,8 @@ def key_norm_bound(k, scale: float):
     return jnp.sqrt(jnp.max(jnp.sum(kf * kf, axis=-1), axis=1)) * (scale * LOG2E)
 
 
-def _fwd_kernel(rng_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *rest, c, block_k, heads, has_seg, has_window, mode,
-                kv_heads, blocks_per_kv):
+def _fwd_kernel(rng_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *rest, c, block_k, has_seg, has_window, mode,
+                kv_heads, groups):
     """mode 'online': every tile with the running maximum. 'bound': tiles whose rows' bounds are all <= BOUND_SHIFT_MAX
     with the bound shift; the others get lse NaN (and o 0). 'fallback': o and lse come in aliased to the outputs,
     and only tiles whose lse is NaN are computed (online) and stored. One loop kind per kernel: with both in one
@@ -164,8 +141,8 @@ def _fwd_kernel(rng_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *rest, c, block_k,
     elif mode == "fallback":  # the first launch's outputs (aliased to this one's)
         lse_in_ref, rest = rest[1], rest[2:]
     qs_ref, ks_ref, window, (o_ref, lse_ref) = _optional_refs(rest, has_seg, has_window, 2)
-    q_pos = _per_row(qp_ref[...], heads)[:, None]
-    q_seg = _per_row(qs_ref[...], heads)[:, None] if has_seg else None
+    q_pos = qp_ref[...][:, None]
+    q_seg = qs_ref[...][:, None] if has_seg else None
 
     def run(q, shift, lo, hi, carry, masked):
         def step(j, carry):
@@ -204,14 +181,14 @@ def _fwd_kernel(rng_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *rest, c, block_k,
         return jnp.where(live[:, None], acc / l[:, None], 0.0), jnp.where(live, m + jnp.log2(l), DEAD_LSE)
 
     def store(o, lse):
-        o_ref[...] = _unstack(o, heads).astype(o_ref.dtype)
-        lse_ref[...] = _stats_unstack(lse, heads)
+        o_ref[...] = o.astype(o_ref.dtype)
+        lse_ref[...] = lse
 
     if mode == "online":
-        store(*attend(_stack(q_ref[...], heads)))
+        store(*attend(q_ref[...]))
     elif mode == "bound":
-        q = _stack(q_ref[...], heads)
-        kbound = kbound_ref[pl.program_id(1) * kv_heads + lax.div(pl.program_id(0), blocks_per_kv)]
+        q = q_ref[...]
+        kbound = kbound_ref[pl.program_id(1) * kv_heads + lax.div(pl.program_id(0), groups)]
         qf = q.astype(F32)
         shift = jnp.sqrt(jnp.sum(qf * qf, axis=1)) * kbound
         use_bound = jnp.max(shift) <= BOUND_SHIFT_MAX
@@ -223,7 +200,7 @@ def _fwd_kernel(rng_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *rest, c, block_k,
 
         @pl.when(flagged)
         def _():
-            store(*attend(_stack(q_ref[...], heads)))
+            store(*attend(q_ref[...]))
 
 
 def forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, window, ranges, *, scale, blocks):
@@ -234,7 +211,6 @@ def forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, window, ranges, *, scale, blo
     B, Tp, H, dp = q.shape
     Sp, KV = k.shape[1], k.shape[2]
     bq, bk = blocks.fwd_q, blocks.fwd_k
-    heads = stacked_heads(H // KV, blocks.fwd_heads)
     bound = blocks.fwd_shift == "bound" and q.dtype != F32
     kbound = None
     if bound:  # flat [B * KV], padded to a power of two (a whole-array block)
@@ -242,16 +218,16 @@ def forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, window, ranges, *, scale, blo
         kbound = jnp.pad(kbound, (0, platform.next_pow2(max(16, B * KV)) - B * KV))
     ranges, q, k, v, q_pos, kv_pos, q_seg, kv_seg, window, kbound = vma.vary_to_union(
         ranges, q, k, v, q_pos, kv_pos, q_seg, kv_seg, window, kbound)
-    sp = _query_grid_specs(B, Tp, Sp, H, KV, dp, bq, heads)
+    sp = _query_grid_specs(B, Tp, Sp, H, KV, dp, bq)
     opt_specs, opt_arrays = _optional_inputs(sp["q_vec"], sp["kv_vec"], q_seg, kv_seg, window)
     in_specs = [sp["ranges"], sp["q"], sp["kv"], sp["kv"], sp["q_vec"], sp["kv_vec"]]
     args = [ranges, q, k, v, q_pos, kv_pos]
 
     def call(mode, extra_specs, extra_args, aliases=None):
         return pl.pallas_call(
-            functools.partial(_fwd_kernel, c=scale * LOG2E, block_k=bk, heads=heads, has_seg=q_seg is not None,
-                              has_window=window is not None, mode=mode, kv_heads=KV, blocks_per_kv=H // KV // heads),
-            grid=(H // heads, B, Tp // bq),
+            functools.partial(_fwd_kernel, c=scale * LOG2E, block_k=bk, has_seg=q_seg is not None,
+                              has_window=window is not None, mode=mode, kv_heads=KV, groups=H // KV),
+            grid=(H, B, Tp // bq),
             in_specs=in_specs + extra_specs + opt_specs,
             out_specs=[sp["q"], sp["stats"]],
             out_shape=[vma.out_struct(q.shape, q.dtype, q), vma.out_struct((B, H, Tp), F32, q)],
@@ -269,13 +245,13 @@ def forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, window, ranges, *, scale, blo
 
 # ----------------------------------------------------------------------------------------------------------- dq
 def _dq_kernel(rng_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, *rest, c, scale,
-               block_k, heads, has_seg, has_window):
+               block_k, has_seg, has_window):
     qs_ref, ks_ref, window, (dq_ref,) = _optional_refs(rest, has_seg, has_window, 1)
-    q, do = _stack(q_ref[...], heads), _stack(do_ref[...], heads)
-    lse = _stats_rows(lse_ref[...], heads)[:, None]
-    delta = _stats_rows(delta_ref[...], heads)[:, None]
-    q_pos = _per_row(qp_ref[...], heads)[:, None]
-    q_seg = _per_row(qs_ref[...], heads)[:, None] if has_seg else None
+    q, do = q_ref[...], do_ref[...]
+    lse = lse_ref[...][:, None]
+    delta = delta_ref[...][:, None]
+    q_pos = qp_ref[...][:, None]
+    q_seg = qs_ref[...][:, None] if has_seg else None
 
     def run(lo, hi, dq, masked):
         def step(j, dq):
@@ -294,24 +270,23 @@ def _dq_kernel(rng_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref,
         return lax.fori_loop(lo, hi, step, dq)
 
     dq = _three_loops(rng_ref, run, jnp.zeros(q.shape, F32))
-    dq_ref[...] = _unstack(dq * scale, heads).astype(dq_ref.dtype)
+    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
 def backward_dq(q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window, ranges, *, scale, blocks):
     B, Tp, H, dp = q.shape
     Sp, KV = k.shape[1], k.shape[2]
     bq, bk = blocks.dq_q, blocks.dq_k
-    heads = stacked_heads(H // KV, blocks.dq_heads)
     ranges, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window = vma.vary_to_union(
         ranges, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, window)
-    sp = _query_grid_specs(B, Tp, Sp, H, KV, dp, bq, heads)
+    sp = _query_grid_specs(B, Tp, Sp, H, KV, dp, bq)
     opt_specs, opt_arrays = _optional_inputs(sp["q_vec"], sp["kv_vec"], q_seg, kv_seg, window)
     in_specs = [sp["ranges"], sp["q"], sp["kv"], sp["kv"], sp["q"], sp["stats"], sp["stats"], sp["q_vec"],
                 sp["kv_vec"]] + opt_specs
     return pl.pallas_call(
-        functools.partial(_dq_kernel, c=scale * LOG2E, scale=scale, block_k=bk, heads=heads,
+        functools.partial(_dq_kernel, c=scale * LOG2E, scale=scale, block_k=bk,
                           has_seg=q_seg is not None, has_window=window is not None),
-        grid=(H // heads, B, Tp // bq),
+        grid=(H, B, Tp // bq),
         in_specs=in_specs,
         out_specs=sp["q"],
         out_shape=vma.out_struct(q.shape, q.dtype, q),

@@ -51,13 +51,12 @@ FORWARD_SHIFTS = ("bound", "online")
 class AttentionBlocks:
     """Tile sizes and launch parameters of the three attention kernels (forward, dq, dk/dv).
 
-    `*_q` / `*_k` are query / key positions per tile; `*_heads` query heads of one KV head stacked into the same
-    tile (rows = positions x heads, see `_attention_kernels`; clipped to a power of two dividing the group)."""
+    `*_q` / `*_k` are query / key positions per tile; `dkv_heads` query heads of one KV head stacked into the same
+    dk/dv tile (rows = positions x heads, see `_attention_kernels`; clipped to a power of two dividing the group)."""
     fwd_q: int = 128
     fwd_k: int = 64
     fwd_warps: int = 8
     fwd_stages: int = 3
-    fwd_heads: int = 1
     # Softmax shift of the forward: 'bound' subtracts each row's Cauchy-Schwarz bound on its logits where that is
     # small enough (no running maximum, no rescaling; see _attention_kernels), 'online' always keeps a running max.
     fwd_shift: str = "bound"
@@ -65,7 +64,6 @@ class AttentionBlocks:
     dq_k: int = 64
     dq_warps: int = 8
     dq_stages: int = 3
-    dq_heads: int = 1
     dkv_q: int = 32
     dkv_k: int = 128
     dkv_warps: int = 8
@@ -100,7 +98,7 @@ class AttentionBlocks:
 _ATTENTION = {
     # Keys: the backend (`vendor()`). Fields (AttentionBlocks): fwd_* / dq_* / dkv_* are the forward, dq and dk/dv
     # kernels' tiles (`_q` query positions, `_k` key positions per tile), warps and software-pipeline stages;
-    # `*_heads` stacks that many query heads of one KV head in a tile; `bwd` picks the backward ('split' or
+    # `dkv_heads` stacks that many query heads of one KV head in a dk/dv tile; `bwd` picks the backward ('split' or
     # 'tiles'), `tiles_dq_*` launch the dq-from-dS-tiles kernel. Unset fields take the dataclass defaults.
     # CUDA row (H200, 8 q / 2 kv heads, d=128): 128 x 128 forward tiles with 8 warps and 3 stages were the fastest
     # forward under the bound shift; dk/dv stacks 2 query heads (closer to cuDNN than unstacked); the 'tiles'
@@ -114,9 +112,8 @@ _ATTENTION = {
     "rocm": AttentionBlocks(fwd_q=128, fwd_k=64, fwd_warps=4, fwd_stages=1, dq_q=128, dq_k=64, dq_warps=4,
                             dq_stages=1, dkv_q=64, dkv_k=128, dkv_warps=4, dkv_stages=1),
     # Interpret mode: small tiles keep the CPU interpreter quick and exercise the multi-block paths.
-    # Two stacked query heads per tile, so the tests cover stacking wherever the group allows it.
-    "cpu": AttentionBlocks(fwd_q=32, fwd_k=16, dq_q=32, dq_k=16, dkv_q=16, dkv_k=32, fwd_heads=2, dq_heads=2,
-                           dkv_heads=2),
+    # Two stacked query heads per dk/dv tile, so the tests cover stacking wherever the group allows it.
+    "cpu": AttentionBlocks(fwd_q=32, fwd_k=16, dq_q=32, dq_k=16, dkv_q=16, dkv_k=32, dkv_heads=2),
 }
 
 

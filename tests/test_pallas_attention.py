@@ -53,15 +53,14 @@ def _check(q, k, v, do, dtype, blocks=None, **kw):
 
 # T = 45 is a multiple of no block; 8 query heads on 2 KV heads as in ZAYA1. dk/dv with the 4 query heads of
 # a KV head in one program, or shared by two (partial sums added afterwards); query heads stacked into the rows
-# of one tile (1: one head per tile, 4: the whole group; the CPU default used by the other tests stacks 2).
+# of one dk/dv tile (1: one head per tile, 4: the whole group; the CPU default used by the other tests stacks 2).
 # bwd='tiles': dq from the dS tiles the dk/dv kernel wrote (tile offsets per key block, stacked rows
 # scattered back to their heads).
 @pytest.mark.parametrize("dtype,dkv_split,heads,bwd", [(jnp.float32, 1, 1, "split"), (jnp.bfloat16, 2, 4, "split"),
                                                        (jnp.float32, 1, 4, "tiles"), (jnp.bfloat16, 2, 2, "tiles")])
 def test_causal_gqa(dtype, dkv_split, heads, bwd):
     q, k, v, do = _qkv(0, 2, 45, 45, 8, 2, 32, dtype)
-    blocks = dataclasses.replace(platform.attention_blocks(32), dkv_split=dkv_split, fwd_heads=heads,
-                                 dq_heads=heads, dkv_heads=heads, bwd=bwd)
+    blocks = dataclasses.replace(platform.attention_blocks(32), dkv_split=dkv_split, dkv_heads=heads, bwd=bwd)
     _check(q, k, v, do, dtype, blocks=blocks)
 
 
