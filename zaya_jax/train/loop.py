@@ -13,28 +13,16 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 from ml_collections import ConfigDict
 
 from zaya_jax.checkpoint.manager import CheckpointManager, abstract_like
-from zaya_jax.config import ModelConfig, preset
 from zaya_jax.data import builtin_corpus, load_tokenizer, train_iterator
 from zaya_jax.fault.control import beat, read_control, skipped
 from zaya_jax.fault.inject import FaultInjector
-from zaya_jax.model import ZayaForCausalLM
-from zaya_jax.model.base import BalancingBias
-from zaya_jax.model_info import describe
-from zaya_jax.optim.balancing import BalancerConfig, init_balancer
-from zaya_jax.optim.optimizer import OptimizerConfig, build_optimizer, learning_rates, partition_table
+from zaya_jax.optim.optimizer import OptimizerConfig, learning_rates, partition_table
 from zaya_jax.parallel.config import ParallelConfig
-from zaya_jax.parallel.context import ContextParallel
-from zaya_jax.parallel.data_parallel import sharded_value_and_grad
 from zaya_jax.parallel.distributed import maybe_initialize
-from zaya_jax.parallel.mesh import describe_mesh, make_mesh
-from zaya_jax.parallel.sharding import (combine_threshold_options, describe_optimizer_memory, state_shardings, zero1,
-                                         zero1_spec_fn, zero_axes)
-from zaya_jax.parallel.zigzag import Zigzag
 from zaya_jax.train import run_record
 from zaya_jax.train.errors import TrainConfigError
 from zaya_jax.train.evaluate import Evaluator
@@ -42,7 +30,10 @@ from zaya_jax.train.flops import flops_per_token
 from zaya_jax.train import routing_metrics
 from zaya_jax.train.init_from import initialize_from
 from zaya_jax.train.metrics import MetricsWriter, Throughput
-from zaya_jax.train.step import make_accumulating_train_step, make_local_loss_sums
+# the plan, the state and the jitted step are assembled in train/program.py (shared with the benchmarks); these
+# names stay importable from here
+from zaya_jax.train.program import (Plan, TrainProgram, batch_ramp, build_train_program, init_state,  # noqa: F401
+                                    make_plan, optimizer_config, validate)
 
 # Dense bf16 peak FLOP/s per device kind, for MFU (vendor figures; override with train.peak_tflops).
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "MI300X": 1307.4, "MI325X": 1307.4, "MI355X": 2516.6, "A100": 312.0}
@@ -50,93 +41,6 @@ PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "MI300X": 1307.4, "MI325X": 1307.4,
 
 EXIT_NONFINITE = 65  # the trainer's exit status when the loss went NaN/Inf (no checkpoint written)
 EXIT_STOPPED = 75  # stopped by SIGTERM (the supervisor, a scheduler) after finishing checkpoint writes
-
-
-@dataclasses.dataclass
-class Plan:
-    """Sizes derived from the config, validated once."""
-
-    model: ModelConfig
-    seq_len: int
-    micro_rows: int  # sequences per microbatch, global
-    accumulation: int  # microbatches per optimizer step (after any batch ramp)
-    steps: int  # optimizer steps
-    ramp: tuple[int, ...] = ()  # microbatches of the first optimizer steps while the batch ramps up
-
-    def accumulation_at(self, step: int) -> int:
-        return self.ramp[step] if step < len(self.ramp) else self.accumulation
-
-
-def validate(config: ConfigDict) -> None:
-    """Refuses values that cannot work, before any model is built or compiled."""
-    t, o = config.train, config.optim
-    positive = {"data.seq_len": config.data.seq_len, "train.steps": t.steps, "train.log_every": t.log_every,
-                "train.checkpoint_every": t.checkpoint_every, "train.global_batch_tokens": t.global_batch_tokens,
-                "train.microbatch_tokens": t.microbatch_tokens}
-    for name, v in positive.items():
-        if not isinstance(v, (int, np.integer)) or v < 1:
-            raise TrainConfigError(f"{name}={v!r} must be a positive whole number")
-    if t.get("eval_every") is not None and t.eval_every < 0:
-        raise TrainConfigError(f"train.eval_every={t.eval_every} must be >= 0 (0: no evaluation)")
-    for name, what in (("eval_batches", "every held-out batch"), ("keep_checkpoints", "keep all")):
-        if t.get(name) is not None and t[name] < 1:
-            raise TrainConfigError(f"train.{name}={t[name]} must be >= 1 (or None: {what})")
-    lr = o.get("learning_rate")
-    if not isinstance(lr, (int, float)) or not 0 <= lr < math.inf:
-        raise TrainConfigError(f"optim.learning_rate={lr!r} must be a finite number >= 0")
-
-
-def make_plan(config: ConfigDict) -> Plan:
-    validate(config)
-    cfg = preset(config.model.preset, **dict(config.model.get("overrides", {})))
-    t, seq = config.train, config.data.seq_len
-    for name in ("global_batch_tokens", "microbatch_tokens"):
-        if t[name] % seq:
-            raise TrainConfigError(f"train.{name}={t[name]} is not a multiple of data.seq_len={seq}")
-    if t.global_batch_tokens % t.microbatch_tokens:
-        raise TrainConfigError(f"train.global_batch_tokens={t.global_batch_tokens} is not a multiple of "
-                               f"train.microbatch_tokens={t.microbatch_tokens}")
-    if int(t.get("grads_per_pass", 1)) < 1:
-        raise TrainConfigError(f"train.grads_per_pass={t.grads_per_pass} must be >= 1 (microbatch gradients added to "
-                               "the fp32 sum in one pass)")
-    accumulation = t.global_batch_tokens // t.microbatch_tokens
-    return Plan(cfg, seq, t.microbatch_tokens // seq, accumulation, t.steps,
-                batch_ramp(t.get("batch_ramp", {}), t.microbatch_tokens, accumulation))
-
-
-def batch_ramp(ramp, microbatch_tokens: int, accumulation: int) -> tuple[int, ...]:
-    """Microbatches per step while the global batch grows linearly, in tokens, from `start_tokens` to the full
-    batch over the first `ramp_tokens` tokens trained (rounded up to whole microbatches)."""
-    start, span = int(ramp.get("start_tokens", 0)), int(ramp.get("ramp_tokens", 0))
-    if not span:
-        return ()
-    if not 0 < start <= accumulation * microbatch_tokens:
-        raise TrainConfigError(f"train.batch_ramp.start_tokens={start} must be in (0, global_batch_tokens]")
-    ks, seen = [], 0
-    while seen < span:
-        want = start + (accumulation * microbatch_tokens - start) * seen / span
-        k = min(accumulation, max(1, -(-int(want) // microbatch_tokens)))
-        ks.append(k)
-        seen += k * microbatch_tokens
-    return tuple(ks)
-
-
-def init_state(cfg: ModelConfig, tx, seed: int, sharding):
-    """Parameters, model state and optimizer state, created directly with their shardings (no host copy).
-    sharding: one NamedSharding for every leaf, or a function of the state's shapes -> shardings (ZeRO-1)."""
-    abstract = nnx.eval_shape(lambda: ZayaForCausalLM(cfg, seed=seed))
-    graphdef, _, _ = nnx.split(abstract, nnx.Param, BalancingBias)
-
-    def create():
-        _, params, model_state = nnx.split(ZayaForCausalLM(cfg, seed=seed), nnx.Param, BalancingBias)
-        params, model_state = nnx.to_pure_dict(params), nnx.to_pure_dict(model_state)
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params),
-                "model_state": model_state, "balancer": init_balancer(cfg.num_hidden_layers, cfg.num_experts)}
-
-    shapes = jax.eval_shape(create)
-    shardings = sharding(shapes) if callable(sharding) else jax.tree.map(lambda _: sharding, shapes)
-    state = jax.jit(create, out_shardings=shardings)()
-    return graphdef, state
 
 
 @dataclasses.dataclass
@@ -153,22 +57,12 @@ class Setup:
     state: dict
     meta: dict
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    program: TrainProgram | None = None  # the jitted step and its shardings (train/program.py)
 
 
 def setup(config: ConfigDict, *, log=print) -> Setup:
-    plan = make_plan(config)
-    cfg = plan.model
-    mesh_args = dict(config.mesh)
-    if os.environ.get("ZAYA_NUM_DEVICES"):  # set by the supervisor when it restarts on fewer devices
-        mesh_args["num_devices"] = int(os.environ["ZAYA_NUM_DEVICES"])
-    mesh = make_mesh(**mesh_args)
-    if cfg.attention_impl == "cudnn" and mesh.devices.size > 1:
-        # cuDNN's custom call needs one mesh for the whole program, but the per-device gradients run on the
-        # hierarchical (node, data_local) view of it: JAX refuses the mix at lowering
-        raise TrainConfigError("model attention_impl='cudnn' runs on one device only; on several devices use "
-                               "attention_impl='pallas' (the portable flash kernel) or 'xla'")
-    log(describe(cfg))
-    log(describe_mesh(mesh))
+    """The data sources (checked first: they cost nothing to check) and the train program (train/program.py)."""
+    cfg = make_plan(config).model
     tok = load_tokenizer(config.data.tokenizer)
     if tok.vocab_size > cfg.vocab_size:
         raise TrainConfigError(f"tokenizer has {tok.vocab_size} ids but the model's vocab_size is {cfg.vocab_size}")
@@ -187,32 +81,10 @@ def setup(config: ConfigDict, *, log=print) -> Setup:
     if set(weights) != set(train_sources):
         raise TrainConfigError(f"data.weights names {sorted(weights)} but the training sources are "
                                f"{sorted(train_sources)}: give every source a weight")
-    ocfg = optimizer_config(config)
-    tx = build_optimizer(ocfg, None, log=None)
-    par = ParallelConfig.from_config(config)
-    if par.zero1:  # optimizer state sharded over the batch axes (parallel/sharding.py); a no-op on one device
-        tx = zero1(tx, mesh, muon=par.muon_placement)
-    graphdef, state = init_state(cfg, tx, config.seed,
-                                 lambda shapes: state_shardings(shapes, mesh, zero1=par.zero1))
-    log(describe_optimizer_memory(state["opt_state"], mesh))
-    meta = {"model": cfg.to_hf_dict(), "seq_len": plan.seq_len}
-    return Setup(plan, mesh, train_sources, valid_sources, ocfg, tx, graphdef, state, meta, par)
-
-
-def optimizer_config(config: ConfigDict) -> OptimizerConfig:
-    """The schedule follows the run: optim.total_steps 0 (or unset) means train.steps; one shorter than
-    train.steps is refused (its last steps would train at learning rate 0)."""
-    o = dict(config.optim)
-    total, steps = int(o.get("total_steps") or 0), int(config.train.steps)
-    if total <= 0:
-        o["total_steps"] = steps
-    elif total < steps:
-        raise TrainConfigError(f"train.steps={steps} runs past optim.total_steps={total} (learning rate 0 after it): "
-                               f"set --config.optim.total_steps={steps}, or 0 to follow train.steps")
-    if o.get("schedule", "wsd") != "constant" and int(o.get("warmup_steps", 0)) > o["total_steps"]:
-        raise TrainConfigError(f"optim.warmup_steps={o['warmup_steps']} is longer than the schedule "
-                               f"({o['total_steps']} steps): lower --config.optim.warmup_steps")
-    return OptimizerConfig(**o)
+    prog = build_train_program(config, log=log)
+    meta = {"model": prog.model.to_hf_dict(), "seq_len": prog.plan.seq_len}
+    return Setup(prog.plan, prog.mesh, train_sources, valid_sources, prog.optimizer, prog.tx, prog.graphdef,
+                 prog.state, meta, prog.parallel, prog)
 
 
 def checkpoint_manager(config: ConfigDict, workdir: str) -> CheckpointManager:
@@ -281,8 +153,7 @@ def _run(config: ConfigDict, workdir: str, *, log, closers: list) -> dict:
             f"(raise --config.train.steps to continue)")
         ckpt.close()
         return {"step": start}
-    # [k microbatches, rows, ...]: every device holds its rows of all k microbatches of the step
-    batch_sharding = NamedSharding(mesh, P(None, "data"))
+    batch_sharding = s.program.batch_sharding  # [k microbatches, rows, ...]
     if plan.micro_rows % mesh.shape["data"]:
         raise TrainConfigError(f"microbatch of {plan.micro_rows} sequences does not split over data={mesh.shape['data']}")
     it = train_iterator(s.train_sources, dict(config.data.weights), seq_len=plan.seq_len, global_batch=plan.micro_rows,
@@ -290,40 +161,7 @@ def _run(config: ConfigDict, workdir: str, *, log, closers: list) -> dict:
                         prefetch=config.data.prefetch, vocab_size=cfg.vocab_size)
     closers.append(it.close)
     reset = bool(config.data.reset_at_documents)
-    ce_chunk = int(config.train.get("ce_chunk_tokens", 0)) or None  # chunked head + CE for large vocabularies
-    view_dtype = cfg.dtype if config.train.get("cast_weights_once", True) else None
-    balancer = BalancerConfig(**dict(config.balancing))
-    grad_fn = None
-    if zero_axes(mesh):  # several devices: per-device gradients in shard_map, reduced explicitly (data_parallel.py)
-        cp = None
-        if mesh.shape["context"] > 1:  # context parallelism: zigzag sequence shards, ring / all-gather attention
-            cp = ContextParallel(Zigzag(mesh.shape["context"], plan.seq_len),
-                                 attention=s.parallel.context_attention, impl=cfg.attention_impl)
-            cp.check(cfg)
-        grad_spec_of = zero1_spec_fn(mesh) if s.parallel.zero1 else (lambda shape: P())
-        local_sums = make_local_loss_sums(s.graphdef, reset, cp, ce_chunk, balance_tokens=balancer.learning_rate > 0)
-        grad_fn = sharded_value_and_grad(local_sums, mesh, grad_spec_of, zigzag=cp.zigzag if cp else None)
-    per_layer_view = view_dtype is not None and not cfg.scan_layers
-    # deferred expert gradients: one device (the default gradient function) with the per-layer view and Pallas experts
-    defer_wgrad = (bool(config.train.get("defer_expert_wgrad", True)) and grad_fn is None and per_layer_view
-                   and cfg.moe_impl == "pallas")
-    if config.train.get("defer_expert_wgrad", True) and not defer_wgrad and plan.accumulation > 1:
-        why = ("several devices" if grad_fn is not None else "layers under lax.scan or no compute-dtype view"
-               if not per_layer_view else f"moe_impl {cfg.moe_impl!r}")
-        log(f"train.defer_expert_wgrad: not used ({why}; it needs one device, unrolled layers, the per-layer view "
-            "and moe_impl 'pallas')")
-    # out_shardings pin the state's layout (ZeRO-1 shards stay shards, parameters stay replicated). One compiled
-    # program per distinct k (the leading axis of the stacked batches): jit retraces when a batch ramp changes k,
-    # each ramp value compiles once and the full batch's program serves every step after the ramp.
-    step_fn = jax.jit(make_accumulating_train_step(s.graphdef, s.tx, balancer,
-                                                   reset_at_documents=reset, ce_chunk_tokens=ce_chunk,
-                                                   grad_fn=grad_fn, compute_dtype=view_dtype,
-                                                   per_layer_view=per_layer_view,
-                                                   grads_per_pass=int(config.train.get("grads_per_pass", 1)),
-                                                   defer_expert_wgrad=defer_wgrad),
-                      donate_argnums=0,
-                      out_shardings=(jax.tree.map(lambda x: x.sharding, state), NamedSharding(mesh, P())),
-                      compiler_options=combine_threshold_options(s.parallel.bucket_bytes))
+    step_fn = s.program.step  # the state's shardings pinned on its outputs, the state donated (train/program.py)
     evaluator = Evaluator(s.graphdef, s.valid_sources, seq_len=plan.seq_len, rows=plan.micro_rows, mesh=mesh,
                           max_batches=config.train.eval_batches, reset_at_documents=reset)
     writer = MetricsWriter(workdir, enabled=lead, resume_step=start)  # drops rows logged past start before
