@@ -45,19 +45,42 @@ EXIT_STOPPED = 75  # stopped by SIGTERM (the supervisor, a scheduler) after fini
 
 @dataclasses.dataclass
 class Setup:
-    """Everything a run or an evaluation builds from its config before touching a checkpoint."""
+    """Everything a run or an evaluation builds from its config before touching a checkpoint: the train program
+    (train/program.py: plan, mesh, optimizer, initial state, jitted step), the data sources and the checkpoint
+    metadata."""
 
-    plan: Plan
-    mesh: object
+    program: TrainProgram
     train_sources: dict
     valid_sources: dict
-    optimizer: OptimizerConfig
-    tx: object
-    graphdef: object
-    state: dict
     meta: dict
-    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
-    program: TrainProgram | None = None  # the jitted step and its shardings (train/program.py)
+
+    @property
+    def plan(self) -> Plan:
+        return self.program.plan
+
+    @property
+    def mesh(self):
+        return self.program.mesh
+
+    @property
+    def optimizer(self) -> OptimizerConfig:
+        return self.program.optimizer
+
+    @property
+    def tx(self):
+        return self.program.tx
+
+    @property
+    def graphdef(self):
+        return self.program.graphdef
+
+    @property
+    def state(self) -> dict:
+        return self.program.state
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return self.program.parallel
 
 
 def setup(config: ConfigDict, *, log=print) -> Setup:
@@ -83,8 +106,7 @@ def setup(config: ConfigDict, *, log=print) -> Setup:
                                f"{sorted(train_sources)}: give every source a weight")
     prog = build_train_program(config, log=log)
     meta = {"model": prog.model.to_hf_dict(), "seq_len": prog.plan.seq_len}
-    return Setup(prog.plan, prog.mesh, train_sources, valid_sources, prog.optimizer, prog.tx, prog.graphdef,
-                 prog.state, meta, prog.parallel, prog)
+    return Setup(prog, train_sources, valid_sources, meta)
 
 
 def checkpoint_manager(config: ConfigDict, workdir: str) -> CheckpointManager:

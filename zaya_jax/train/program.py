@@ -16,6 +16,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import ConfigDict
 
+from zaya_jax.checkpoint.manager import abstract_like
 from zaya_jax.config import ModelConfig, preset
 from zaya_jax.model import ZayaForCausalLM
 from zaya_jax.model.base import BalancingBias
@@ -202,7 +203,7 @@ def build_train_program(config: ConfigDict, *, log=print, init: bool = True, tx=
     create = state_creator(cfg, tx, config.seed)
     shapes = jax.eval_shape(create)
     shardings = state_shardings(shapes, mesh, zero1=par.zero1)
-    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
+    abstract = abstract_like(shapes, shardings)
     state = jax.jit(create, out_shardings=shardings)() if init else None
     log(describe_optimizer_memory(state["opt_state"] if init else abstract["opt_state"], mesh))
     step = _train_step(config, plan, mesh, par, graphdef, tx, shardings, log)
