@@ -5,7 +5,7 @@
     d_logits = weights * (softmax(logits) - onehot(target)), rounded once to the logits' dtype.
 
 'xla' is the jnp reference below; 'pallas' the one-kernel version (pallas_kernels/softmax_xent.py: two reads and one
-write of the logits: 1.35x XLA's fusions of the reference on the H200, benchmarks/bench_ce.py). Statistics in fp32.
+write of the logits, fewer than XLA's fusions of the reference; docs/experiments.md). Statistics in fp32.
 """
 
 from __future__ import annotations
