@@ -6,5 +6,6 @@ bench_routing_solve.py, d2h_probe.py, h200_lifecycle.sh). Their code lives in th
   training/  the training-step benchmark (JAX variants next to the HF PyTorch reference)
   kernels/   timings and launch sweeps of the Pallas kernels
   systems/   hardware characterization (collectives, HBM, GEMM, attention), step breakdown, sizing, scaling runs
-Result files (JSON, PNG) sit in this directory beside the code.
+  results/   the results of record that README.md cites (JSON, PNG); the commands' default --out. Every other
+             record is a row of docs/experiments.md (change, result, file), the file itself in git history.
 """

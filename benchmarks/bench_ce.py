@@ -68,7 +68,7 @@ def main(argv=None):
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--sweep", action="store_true", help="also time the kernel's launch candidates (SWEEP)")
-    ap.add_argument("--out", default="benchmarks/ce_h200.json")
+    ap.add_argument("--out", default="benchmarks/results/ce_h200.json")
     args = ap.parse_args(argv)
     if args.tokens % args.chunk:
         raise SystemExit(f"--tokens {args.tokens} must be a multiple of --chunk {args.chunk}")

@@ -40,7 +40,7 @@ PARTS = ("norms", "attention", "cca_conv")
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", default="benchmarks/kernels.json")
+    ap.add_argument("--out", default="benchmarks/results/kernels.json")
     ap.add_argument("--quick", action="store_true", help="small shapes only (smoke test)")
     ap.add_argument("--no-sweep", action="store_true", help="use the built-in launch parameters")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {PARTS}")

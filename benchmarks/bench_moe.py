@@ -47,7 +47,7 @@ FWD_CFGS = [dict(),
             dict(block_rows=64, fwd_warps=4, fwd_stages=4),
             # 64-row tiles halve each expert's padding (15% of the rows at 128 on the bench routing, ~7% at 64), but
             # measured slower: forward 0.41-0.42 against 0.38-0.39 ms, 16 microbatches 1310.3 against 1297.4 ms in the
-            # step (benchmarks/moe_sweep_rows64_h200.json, train_h200_moe_rows64_ab.json)
+            # step (docs/experiments.md, MoE)
             dict(block_rows=64, fwd_n=256, fwd_k=64, fwd_warps=8, fwd_stages=4),
             dict(block_rows=64, fwd_n=256, fwd_k=128, fwd_warps=8, fwd_stages=3),
             dict(block_rows=64, fwd_n=128, fwd_k=128, fwd_warps=4, fwd_stages=4)]
@@ -126,7 +126,7 @@ def _print_block(name: str, r: dict):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", default="benchmarks/moe.json")
+    ap.add_argument("--out", default="benchmarks/results/moe.json")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (smoke test; also what the CPU can run)")
     ap.add_argument("--no-sweep", action="store_true", help="skip the kernel launch sweeps")
     ap.add_argument("--wgrad-sum", type=int, default=4, metavar="K",

@@ -5,7 +5,7 @@ the whole NS step (the fastest is kept for that shape); then, XLA next to the ke
 (XLA as the code runs it, XLA in the earlier a X + B X form, the kernel with and without its fused epilogue) and
 the full 5-step NS. Shapes: [2048,2048], [4096,2048], [1024,2048] in stacks of --batch, and a stacked expert leaf
 [16,4096,2048]; every one measured --rounds times (--sweep-once: only the first case is swept). Goal (issue 3):
-NS step >= 1.3x XLA on 2048x2048. Writes $OUT/muon.json when OUT is set (else benchmarks/muon.json); see
+NS step >= 1.3x XLA on 2048x2048. Writes $OUT/muon.json when OUT is set (else benchmarks/results/muon.json); see
 benchmarks/kernels/bench_gram.py for what is timed and how FLOPs are counted. H200: about 4 minutes for everything,
 under 2 for `--shapes 2048x2048 --stacked 16x4096x2048 --sweep-once`.
 """
@@ -40,7 +40,7 @@ def _dims(text: str):
 
 
 def _default_out() -> str:
-    return os.path.join(os.environ["OUT"], "muon.json") if os.environ.get("OUT") else "benchmarks/muon.json"
+    return os.path.join(os.environ["OUT"], "muon.json") if os.environ.get("OUT") else "benchmarks/results/muon.json"
 
 
 def _median(rounds, key):

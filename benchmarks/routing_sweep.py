@@ -1,8 +1,8 @@
 """Routing health of the first training steps under several balancing-controller settings: the trainer
 (zaya_jax.train.loop.run) on a config file, logging every step, and per step the worst layer's expert loads.
 
-python -m benchmarks.routing_sweep --config configs/default.py --steps 60 --out benchmarks/routing_sweep_tiny.json \
-    --variant off:learning_rate=0 --variant adam:rule=adam,learning_rate=5e-3 ...
+python -m benchmarks.routing_sweep --config configs/default.py --steps 60 \
+    --out benchmarks/results/routing_tiny_sweep.json --variant off:learning_rate=0 --variant adam:rule=adam,learning_rate=5e-3 ...
 """
 
 from __future__ import annotations

@@ -51,7 +51,8 @@ def write_json_atomic(path: str, obj) -> None:
 def _parser() -> argparse.ArgumentParser:
     ap = ArgumentParser(prog="python -m benchmarks.scaling", description=__doc__,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="benchmarks/scaling.json", help="the report (JSON); the figure goes beside it")
+    ap.add_argument("--out", default="benchmarks/results/scaling.json",
+                    help="the report (JSON); the figure goes beside it")
     ap.add_argument("--time-budget", type=float, default=480.0, help="seconds for all parts together")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     ap.add_argument("--devices", type=int, default=0, help="GPUs to use (default: all local), or emulated CPU devices")

@@ -2,7 +2,8 @@
 [--seq-len 4096] [--devices 1024] [--global-batch-tokens N] [--recipe paper|zaya_jax] [--json FILE]`.
 
 --hardware takes a preset, a hardware.json written by `python -m benchmarks.characterize all`, or the sweep JSON
-files / directory it wrote (laid over the preset their device names), e.g. benchmarks/h200.
+files / directory it wrote (laid over the preset their device names), e.g.
+h200:benchmarks/results/h200_hbm.json,benchmarks/results/h200_gemm.json (one H200's sweeps).
 The rules and the memory model live in benchmarks/systems/advisor.py and memory_model.py.
 """
 

@@ -184,7 +184,7 @@ def _blocks_literal(b: AttentionBlocks) -> str:
 # ---------------------------------------------------------------------------------------------------------- main
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="benchmarks/tune.json")
+    ap.add_argument("--out", default="benchmarks/results/tune.json")
     ap.add_argument("--budget-s", type=float, default=180.0, help="wall-clock budget of the sweep stages")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU dry run of the code path)")
     args = ap.parse_args()

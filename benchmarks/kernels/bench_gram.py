@@ -30,7 +30,7 @@ from zaya_jax.ops.newton_schulz import (QUINTIC_COEFFS, apply_left, gram_referen
 
 BF16 = jnp.bfloat16
 
-# Focused launch set (H200 sweep of benchmarks/muon_h200.json: 128-row tiles with 4 warps led; 64 lost 25%):
+# Focused launch set (H200 sweep of benchmarks/results/muon_h200.json: 128-row tiles with 4 warps led; 64 lost 25%):
 # square 128 tiles with short / long k steps, and wide 128 x 256 tiles (more MMA work per byte of shared memory,
 # 8 warps hold the 128x256 fp32 accumulator), plus 64-row tiles for the small 1024 side (more programs per wave).
 TILINGS = [GramTiling(128, 32, 4, 4), GramTiling(128, 64, 4, 3), GramTiling(128, 64, 8, 3, tile_cols=256),

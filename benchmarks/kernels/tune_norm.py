@@ -36,9 +36,10 @@ N_PARTIALS = 4  # the merge backward's [D] partial sums per program
 MAX_REL_DIFF = 1e-4
 
 # NormLaunch(rows per step, num_warps, programs per compute unit (0: one program per tile), num_stages, prefetch).
-# Measured before on the H200 (benchmarks/norm_h200.json) and not repeated: streaming loads (evict_first; forward
-# 0.81 vs 0.83 of copy, backward 0.66 vs 0.73), re-reading the [D] vectors per row, 2-4 rows per step, 4 warps,
-# num_stages 2 (Triton does not pipeline these loads through shared memory: no dot in the loop).
+# Measured before on the H200 (benchmarks/norm_h200.json, now in git history: docs/experiments.md) and not
+# repeated: streaming loads (evict_first; forward 0.81 vs 0.83 of copy, backward 0.66 vs 0.73), re-reading the
+# [D] vectors per row, 2-4 rows per step, 4 warps, num_stages 2 (Triton does not pipeline these loads through
+# shared memory: no dot in the loop).
 # Registers per thread, from Triton 3.9 + ptxas for sm_90a on the CPU (XLA's own Triton may differ a little; an SM
 # has 64K): backward at 8 warps 128 / 164 / 199 / 221 with prefetch 0 / 1 / 2 / 3 (so one program of 8 warps per
 # SM unless prefetch is 0); at 16 warps 76 / 92 / 110 / 118 / 128 with prefetch 0-4 (one per SM). Forward at 8 warps
@@ -199,7 +200,7 @@ def run(out_path: str, budget_s: float, quick: bool) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="benchmarks/norm.json")
+    ap.add_argument("--out", default="benchmarks/results/norm.json")
     ap.add_argument("--budget-s", type=float, default=60.0, help="no new candidate starts after this many seconds")
     ap.add_argument("--quick", action="store_true", help="tiny shape, one candidate per pass (CPU dry run)")
     args = ap.parse_args()

@@ -87,7 +87,8 @@ def from_sweeps(base: HardwareSpec, paths: list[str]) -> HardwareSpec:
 def load(spec: str) -> HardwareSpec:
     """'mi300x' / 'h200'; a hardware JSON written from `as_dict` (it has 'hbm_bytes'); sweep JSON files or
     directories, comma-separated, laid over the preset their device kind names (MI300X if none matches); or
-    'preset:paths' to choose the preset, e.g. 'h200:benchmarks/h200'."""
+    'preset:paths' to choose the preset, e.g.
+    'h200:benchmarks/results/h200_hbm.json,benchmarks/results/h200_gemm.json'."""
     if spec.lower() in PRESETS:
         return preset(spec)
     head, sep, tail = spec.partition(":")

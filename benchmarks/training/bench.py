@@ -27,17 +27,16 @@ cut short still leaves numbers. Headline keys: tokens_per_s, hf_tokens_per_s, ra
 ratio_vs_hf_same_optimizer, ratio_vs_hf_accum{k}, ratio_labels, breakdown, accumulation,
 long_context, largest_batch.
 
-Measured with this version (benchmarks/train_h200.json, bench preset, batch 2 x 4096, head chunks of 8192 tokens,
-the Pallas CCA q/k mixing kernels): main 200.6 ms = 40.8k tokens/s (fwd+bwd 75.3 ms, Muon + AdamW update 127.1 ms)
-vs HF + torch.compile 105.4 ms = 77.7k; AdamW on both sides 1.18x HF; 64 microbatches through the trainer (4
-gradients per pass, expert gradients deferred to each pass's end) 111.1k against HF's measured 64-microbatch step
-89.0k (1.248x), the update alone 2.7% of that step. The deferral in one call
-(benchmarks/train_h200_defer_wgrad_ab.json): 16 microbatches 1299.1 against 1312.2 ms.
-The q/k mixing kernels against XLA's, in one call (benchmarks/train_h200_qk_mix_ab.json): fwd_bwd 77.2 against
-78.9 ms, 16 microbatches 1324.9 against 1363.3 ms. Head chunks of 8192 tokens (what configs/zaya1_base.py trains
-with; the default since), each against 4096 in one call: fwd_bwd 76.1 against 79.6 ms and the 64-microbatch step 0.8%
-faster (benchmarks/train_h200_ce_chunk_ab.json); 16 microbatches 1311.3 against 1338.6 ms
-(benchmarks/train_h200_chunk_ab.json).
+Measured with an earlier version (benchmarks/train_h200.json @ e109a49 in git history; the current record is
+benchmarks/results/train_h200.json), bench preset, batch 2 x 4096, head chunks of 8192 tokens, the Pallas CCA q/k
+mixing kernels: main 200.6 ms = 40.8k tokens/s (fwd+bwd 75.3 ms, Muon + AdamW update 127.1 ms) vs HF +
+torch.compile 105.4 ms = 77.7k; AdamW on both sides 1.18x HF; 64 microbatches through the trainer (4 gradients per
+pass, expert gradients deferred to each pass's end) 111.1k against HF's measured 64-microbatch step 89.0k (1.248x),
+the update alone 2.7% of that step. The deferral in one call (docs/experiments.md, MoE): 16 microbatches 1299.1
+against 1312.2 ms. The q/k mixing kernels against XLA's, in one call (docs/experiments.md, CCA): fwd_bwd 77.2
+against 78.9 ms, 16 microbatches 1324.9 against 1363.3 ms. Head chunks of 8192 tokens (what configs/zaya1_base.py
+trains with; the default since), each against 4096 in one call: fwd_bwd 76.1 against 79.6 ms and the 64-microbatch
+step 0.8% faster; 16 microbatches 1311.3 against 1338.6 ms in another call (docs/experiments.md, training step).
 """
 
 from __future__ import annotations
@@ -83,7 +82,7 @@ def parse_args(argv=None):
     ap.add_argument("--profile", default="", help="comma list of variants to trace (two calls each) and break down")
     ap.add_argument("--time-budget", type=float, default=1e9, help="seconds for the whole run (deadlines inside)")
     ap.add_argument("--workdir", default="")
-    ap.add_argument("--out", default="benchmarks/train_h200.json")
+    ap.add_argument("--out", default="benchmarks/results/train_h200.json")
     return ap.parse_args(argv)
 
 

@@ -4,7 +4,7 @@ figures, the checks that keep a variant from running out of memory mid-run, and 
 Why the reservation: with preallocation off (the HF process shares the GPU while both compile), JAX's BFC
 allocator grows region by region and never returns a free region, so after a few variants the 40-65 GiB
 temporaries of the 32k / large-batch steps found no region big enough although most memory was free (the H200
-runs of benchmarks/train_h200.json). Once the HF process has exited, one allocation of everything left under the
+runs of benchmarks/results/train_h200.json). Once the HF process has exited, one allocation of everything left under the
 limit makes one region that every later buffer is carved from (freed chunks coalesce inside a region).
 """
 

@@ -81,8 +81,8 @@ def context_name(seq: int) -> str:
 def main_variant(batch: int, seq: int, gpu: bool, cudnn: bool = False) -> Variant:
     """Our step as the trainer runs it on this platform. On the GPU: the Pallas attention, norms, cross-entropy, CCA
     q/k mixing, grouped-GEMM experts and Gram kernel, layers unrolled (fwd+bwd 83.7 ms against 103.9 under lax.scan on the H200,
-    benchmarks/train_h200_explore.json). On NVIDIA (`cudnn`) the attention is cuDNN's, the fastest there (the 16
-    microbatch step 1245.7 against 1266.4 ms with the Pallas kernel, benchmarks/train_h200_accum16_ab.json); one
+    docs/experiments.md, model / config). On NVIDIA (`cudnn`) the attention is cuDNN's, the fastest there (the 16
+    microbatch step 1245.7 against 1266.4 ms with the Pallas kernel, benchmarks/results/train_h200_accum16_ab.json); one
     device only, see train/loop.py. The CPU keeps XLA's ops and the scan: the Pallas kernels only run interpreted
     there, and a dry run should compile fast."""
     fast = "pallas" if gpu else "xla"
@@ -137,9 +137,9 @@ def default_variants(batch: int, seq: int, gpu: bool, long_seq: int, ladder: lis
 
 
 # Microbatches per accumulation pass of the accum rows. 8 measured slower than 4 both without the expert gradients
-# deferred (101.5k against 102.2k tokens/s at 16 microbatches, benchmarks/train_h200_attn_gpp_ab.json) and with them
+# deferred (101.5k against 102.2k tokens/s at 16 microbatches, docs/experiments.md, training step) and with them
 # (official runs of two calls: 64 microbatches 109.8k against 111.1k, peak 88.4 against 61.6 GiB;
-# benchmarks/train_h200_grads_per_pass8.json against train_h200.json).
+# docs/experiments.md, training step).
 GRADS_PER_PASS = 4
 
 def extra_variants(batch: int, seq: int, gpu: bool, cudnn: bool = False) -> list[Variant]:
