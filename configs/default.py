@@ -5,6 +5,8 @@ from ml_collections import ConfigDict
 
 
 def get_config() -> ConfigDict:
+    # the groups below are typed and checked once by zaya_jax/train/options.py: a key it does not know is refused,
+    # one left out takes the default given there
     c = ConfigDict()
     c.seed = 0
     # fp32 and no rematerialisation: the CPU has no fast bf16 and memory to spare at this size

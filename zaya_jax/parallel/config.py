@@ -1,4 +1,5 @@
-"""How the trainer parallelises, beyond the mesh shape (config group `parallel`; every key optional)."""
+"""How the trainer parallelises, beyond the mesh shape (config group `parallel`; every key optional; built and
+checked from the run config by zaya_jax/train/options.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,3 @@ class ParallelConfig:
     muon_placement: str = "whole_matrix"  # Newton-Schulz under ZeRO-1: 'whole_matrix' | 'all_gathered' (baseline)
     context_attention: str = "allgather"  # with mesh.context > 1: 'allgather' (K/V) | 'ring' (ppermute K/V)
     bucket_bytes: int = 0  # gradient bucket = XLA collective combine threshold (GPU); 0 = XLA's default
-
-    @classmethod
-    def from_config(cls, config) -> ParallelConfig:
-        return cls(**dict(config.get("parallel", {})))

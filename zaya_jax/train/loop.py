@@ -30,6 +30,7 @@ from zaya_jax.train.flops import flops_per_token
 from zaya_jax.train import routing_metrics
 from zaya_jax.train.init_from import initialize_from
 from zaya_jax.train.metrics import MetricsWriter, Throughput
+from zaya_jax.train.options import TrainOptions
 # the plan, the state and the jitted step are assembled in train/program.py (shared with the benchmarks); these
 # names stay importable from here
 from zaya_jax.train.program import (Plan, TrainProgram, batch_ramp, build_train_program, init_state,  # noqa: F401
@@ -84,34 +85,29 @@ class Setup:
 
 
 def setup(config: ConfigDict, *, log=print) -> Setup:
-    """The data sources (checked first: they cost nothing to check) and the train program (train/program.py)."""
-    cfg = make_plan(config).model
-    tok = load_tokenizer(config.data.tokenizer)
+    """The data sources (checked first: they cost nothing to check) and the train program (train/program.py).
+    The config's groups are typed and checked once, by make_plan (train/options.py)."""
+    plan = make_plan(config)  # the config's groups typed and checked (train/options.py)
+    cfg, data = plan.model, plan.options.data
+    if data.training_source_names() is None:
+        raise TrainConfigError("data.builtin is False and data.sources is empty: name indexed-dataset prefixes, "
+                               "e.g. --config.data.sources.web=/data/web_text_document")
+    tok = load_tokenizer(data.tokenizer)
     if tok.vocab_size > cfg.vocab_size:
         raise TrainConfigError(f"tokenizer has {tok.vocab_size} ids but the model's vocab_size is {cfg.vocab_size}")
-    if config.data.builtin and config.data.sources:
-        raise TrainConfigError(f"data.builtin is True but data.sources names {sorted(config.data.sources)}: set "
-                               "data.builtin=False to train on them")
-    if config.data.builtin:
+    if data.builtin:
         corpus = builtin_corpus(tok)
         train_sources, valid_sources = corpus.train, corpus.valid
-    else:
-        train_sources, valid_sources = dict(config.data.sources), dict(config.data.valid_sources)
-        if not train_sources:
-            raise TrainConfigError("data.builtin is False and data.sources is empty: name indexed-dataset prefixes, "
-                                   "e.g. --config.data.sources.web=/data/web_text_document")
-    weights = dict(config.data.weights)
-    if set(weights) != set(train_sources):
-        raise TrainConfigError(f"data.weights names {sorted(weights)} but the training sources are "
-                               f"{sorted(train_sources)}: give every source a weight")
+    else:  # the weights name exactly these sources (train/options.py)
+        train_sources, valid_sources = dict(data.sources), dict(data.valid_sources)
     prog = build_train_program(config, log=log)
     meta = {"model": prog.model.to_hf_dict(), "seq_len": prog.plan.seq_len}
     return Setup(prog, train_sources, valid_sources, meta)
 
 
-def checkpoint_manager(config: ConfigDict, workdir: str) -> CheckpointManager:
-    return CheckpointManager(os.path.join(workdir, "checkpoints"), save_interval_steps=config.train.checkpoint_every,
-                             max_to_keep=config.train.keep_checkpoints)
+def checkpoint_manager(train: TrainOptions, workdir: str) -> CheckpointManager:
+    return CheckpointManager(os.path.join(workdir, "checkpoints"), save_interval_steps=train.checkpoint_every,
+                             max_to_keep=train.keep_checkpoints)
 
 
 def evaluate_checkpoint(config, workdir: str, *, step: int | None = None, max_batches: int | None = None,
@@ -121,14 +117,14 @@ def evaluate_checkpoint(config, workdir: str, *, step: int | None = None, max_ba
     if config is None:
         config = run_record.load_config(workdir)
     s = setup(config, log=log)
-    ckpt = checkpoint_manager(config, workdir)
+    ckpt = checkpoint_manager(s.plan.options.train, workdir)
     try:
         restored = ckpt.restore(abstract_like(s.state), step=step, expect_meta=s.meta, log=log)
     finally:  # its background threads must not outlive a failed restore
         ckpt.close()
     params, model_state = restored.state["params"], restored.state["model_state"]
     evaluator = Evaluator(s.graphdef, s.valid_sources, seq_len=s.plan.seq_len, rows=s.plan.micro_rows, mesh=s.mesh,
-                          max_batches=max_batches, reset_at_documents=bool(config.data.reset_at_documents))
+                          max_batches=max_batches, reset_at_documents=s.plan.options.data.reset_at_documents)
     out = evaluator(params, model_state)
     log(f"{os.path.join(workdir, 'checkpoints')} step {restored.step}: " +
         " ".join(f"{k}={v:.4f}" for k, v in out.items()))
@@ -157,9 +153,11 @@ def _run(config: ConfigDict, workdir: str, *, log, closers: list) -> dict:
     log = log if lead else (lambda *_: None)
     s = setup(config, log=log)
     plan, mesh, cfg, state, meta = s.plan, s.mesh, s.plan.model, s.state, s.meta
+    opts = plan.options
+    t = opts.train
     log(partition_table(state["params"], s.optimizer, s.tx))
 
-    ckpt = checkpoint_manager(config, workdir)
+    ckpt = checkpoint_manager(t, workdir)
     closers.append(ckpt.close)
     data_state, start = None, 0
     run_record.ensure(config, workdir, resuming=ckpt.latest_step() is not None, write=lead, log=log)
@@ -167,37 +165,35 @@ def _run(config: ConfigDict, workdir: str, *, log, closers: list) -> dict:
         restored = ckpt.restore(abstract_like(state), expect_meta=meta, log=log, set_aside=True)
         state, data_state, start = restored.state, restored.data, restored.step
         log(f"resumed from {ckpt.directory} step {start}")
-    elif config.train.get("init_from"):  # a previous run or a Hugging Face directory
-        state = initialize_from(config.train.init_from, state, cfg, log=log)
+    elif t.init_from:  # a previous run or a Hugging Face directory
+        state = initialize_from(t.init_from, state, cfg, log=log)
 
     if start >= plan.steps:
         log(f"{workdir}: already trained to step {start} of {plan.steps}; nothing to do "
             f"(raise --config.train.steps to continue)")
         ckpt.close()
         return {"step": start}
-    batch_sharding = s.program.batch_sharding  # [k microbatches, rows, ...]
-    if plan.micro_rows % mesh.shape["data"]:
-        raise TrainConfigError(f"microbatch of {plan.micro_rows} sequences does not split over data={mesh.shape['data']}")
-    it = train_iterator(s.train_sources, dict(config.data.weights), seq_len=plan.seq_len, global_batch=plan.micro_rows,
-                        seed=config.seed, rank=jax.process_index(), num_ranks=jax.process_count(), state=data_state,
-                        prefetch=config.data.prefetch, vocab_size=cfg.vocab_size)
+    batch_sharding = s.program.batch_sharding  # [k microbatches, rows, ...]; rows split over data (step_options.py)
+    it = train_iterator(s.train_sources, opts.data.weights, seq_len=plan.seq_len, global_batch=plan.micro_rows,
+                        seed=opts.seed, rank=jax.process_index(), num_ranks=jax.process_count(), state=data_state,
+                        prefetch=opts.data.prefetch, vocab_size=cfg.vocab_size)
     closers.append(it.close)
-    reset = bool(config.data.reset_at_documents)
+    reset = opts.data.reset_at_documents
     step_fn = s.program.step  # the state's shardings pinned on its outputs, the state donated (train/program.py)
     evaluator = Evaluator(s.graphdef, s.valid_sources, seq_len=plan.seq_len, rows=plan.micro_rows, mesh=mesh,
-                          max_batches=config.train.eval_batches, reset_at_documents=reset)
+                          max_batches=t.eval_batches, reset_at_documents=reset)
     writer = MetricsWriter(workdir, enabled=lead, resume_step=start)  # drops rows logged past start before
     closers.append(writer.close)
     if writer.dropped:
         log(f"metrics.jsonl: dropped {writer.dropped} rows logged past step {start} by an earlier attempt")
-    peak = _peak_flops(config)
+    peak = _peak_flops(t)
     flops_tok = flops_per_token(cfg, plan.seq_len)
     tokens_per_micro = plan.micro_rows * plan.seq_len  # throughput counts tokens, so a ramp is measured right
     meter, last = Throughput(), {}
     progress = _progress(start, plan.steps, lead)
     closers.append(getattr(progress, "close", lambda: None))  # a bar left open redraws after the error
     sums, step_count = {}, 0
-    faults = FaultInjector(config.train.get("fault", ""), workdir)
+    faults = FaultInjector(t.fault, workdir)
     stop = GracefulStop()
     skip_windows = read_control(workdir)["skip_steps"]
     for step in range(start, plan.steps):
@@ -221,7 +217,7 @@ def _run(config: ConfigDict, workdir: str, *, log, closers: list) -> dict:
         if not meter.started:  # the first step run (skipped data may come first) compiles: not measured
             jax.block_until_ready(state)
             meter.start()
-        if done % config.train.log_every == 0 or done == plan.steps:
+        if done % t.log_every == 0 or done == plan.steps:
             last = routing_metrics.flatten({name: np.asarray(v) / step_count for name, v in sums.items()})
             sums, step_count = {}, 0
             tps = meter.rate()
@@ -244,14 +240,14 @@ def _run(config: ConfigDict, workdir: str, *, log, closers: list) -> dict:
             writer.close()
             ckpt.wait()
             os._exit(EXIT_STOPPED)
-        if config.train.eval_every and (done % config.train.eval_every == 0 or done == plan.steps):
+        if t.eval_every and (done % t.eval_every == 0 or done == plan.steps):
             jax.block_until_ready(state)  # the step's own compute stays in the step time
             with meter.excluded():  # evaluation (and its first call's compilation) is not training throughput
                 ev = evaluator(state["params"], state["model_state"])
             writer.write(done, ev)
             log(f"eval @ {done}: " + " ".join(f"{k}={v:.4f}" for k, v in ev.items()))
             last.update(ev)
-        if done % config.train.checkpoint_every == 0 or done == plan.steps:
+        if done % t.checkpoint_every == 0 or done == plan.steps:
             jax.block_until_ready(state)
             # what a save costs the loop: the device->host copy and any wait for the previous save to finish
             with meter.excluded() as blocked:
@@ -288,9 +284,9 @@ class GracefulStop:
         self.requested = True
 
 
-def _peak_flops(config) -> float | None:
-    if config.train.get("peak_tflops"):
-        return float(config.train.peak_tflops) * 1e12
+def _peak_flops(train: TrainOptions) -> float | None:
+    if train.peak_tflops:
+        return train.peak_tflops * 1e12
     kind = jax.devices()[0].device_kind
     for name, tf in PEAK_TFLOPS.items():
         if name.lower() in kind.lower():
