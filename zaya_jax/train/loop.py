@@ -221,9 +221,10 @@ def _run(config: ConfigDict, workdir: str, *, log, closers: list) -> dict:
             last = routing_metrics.flatten({name: np.asarray(v) / step_count for name, v in sums.items()})
             sums, step_count = {}, 0
             tps = meter.rate()
-            last["tokens_per_s"] = tps
-            if peak:
-                last["mfu"] = tps * flops_tok / (peak * jax.device_count())
+            if tps is not None:  # a row of only the compiling step (the first after a start or resume) has none
+                last["tokens_per_s"] = tps
+                if peak:
+                    last["mfu"] = tps * flops_tok / (peak * jax.device_count())
             last.update({f"lr_{k}": float(v) for k, v in learning_rates(state["opt_state"]).items()})
             writer.write(done, last)
             progress(done, last)
@@ -304,7 +305,7 @@ def _progress(start: int, total: int, enabled: bool):
     def update(done, m):
         bar.update(done - t0[1])
         t0[1] = done
-        shown = {"loss": f"{m['loss']:.4f}", "tok/s": f"{m['tokens_per_s']:.0f}"}
+        shown = {"loss": f"{m['loss']:.4f}", "tok/s": f"{m['tokens_per_s']:.0f}" if "tokens_per_s" in m else "-"}
         if "max_load" in m:  # the worst layer's expert loads relative to uniform
             shown["load"] = f"{m['max_load']:.2f}/{m['min_load']:.2f}"
         if "mfu" in m:

@@ -105,11 +105,12 @@ class Throughput:
         finally:
             self._excluded += timer.seconds
 
-    def rate(self) -> float:
-        if self._t is None:
-            return 0.0
+    def rate(self) -> float | None:
+        """None when no step was timed since the last call (only the compiling one ran): nothing was measured."""
+        if self._t is None or not self._tokens:
+            return None
         dt = time.perf_counter() - self._t - self._excluded
-        r = self._tokens / dt if dt > 0 else 0.0
+        r = self._tokens / dt if dt > 0 else None
         self.start()
         return r
 
