@@ -34,36 +34,60 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from inference_phases import Phases, timed, write_json  # noqa: E402  (the HF half imports it the same way)
+from inference_phases import Phases, decode_rate, timed, write_json  # noqa: E402  (as the HF half does)
 
 
 def spec_for(args, model_dir, work):
     quick = args.quick
     return dict(model_dir=model_dir, work=work, dtype="bfloat16", repeats=3, compile=not quick,
                 scoring=[[2, 64]] if quick else [[32, 1024], [8, 4096]],
-                decode_batches=[1, 2] if quick else [1, 64, 8],  # the last one runs after the other side's eager
+                decode_batches=[1, 2] if quick else [1, 64, 8],  # batch 8 runs last on each side
                 prompt=16 if quick else 512, new_tokens=8 if quick else 256, continuation=32 if not quick else 8,
                 # seconds a phase needs left to start (a child is stopped at its deadline anyway)
                 min_left=dict(scoring=0 if quick else 20, decode=0 if quick else 30, compiled=0 if quick else 60),
-                decode_cap_s=30 if quick else 90)  # repeats of one generate measurement stop after this long
+                decode_cap_s=30 if quick else 90,  # repeats of one generate measurement stop after this long
+                compile_threads=2 if quick else 4,  # programs compiled at once while the weights are written
+                init_chunk_elements=1 << (10 if quick else 24))  # (quick: small, to exercise the chunked init)
 
 
 # ---------------------------------------------------------------------------------------------------- JAX half
 
-def init_model(preset_name: str):
-    """The model with bf16 parameters, created by one jitted init on the default device (no host copy)."""
+def init_model(preset_name: str, chunk_elements: int = 1 << 24):
+    """The model with bf16 parameters, created by one jitted init on the default device (no host copy). Normal
+    draws larger than chunk_elements are made a block of leading-axis rows at a time (lax.map), so no random-bits
+    temporary of a whole 5.4B-element expert stack exists even if XLA does not fuse the generator."""
+    import contextlib
+    import math
+
     import jax
+    import jax._src.random as jax_random
     from flax import nnx
 
     from zaya_jax.config import preset
     from zaya_jax.model import ZayaForCausalLM
     cfg = preset(preset_name, dtype="bfloat16", param_dtype="bfloat16")
+    original = jax_random.normal
 
-    def create():
-        return nnx.split(ZayaForCausalLM(cfg, rngs=nnx.Rngs(0)))
+    def normal(key, shape=(), dtype=None, *args, **kwargs):
+        shape = tuple(shape)
+        if (len(shape) < 2 or math.prod(shape) <= chunk_elements or args
+                or any(v is not None for v in kwargs.values())):
+            return original(key, shape, dtype, *args, **kwargs)
+        rows = max(1, chunk_elements // math.prod(shape[1:]))
+        return jax.lax.map(lambda k: original(k, shape[1:], dtype), jax.random.split(key, shape[0]),
+                           batch_size=min(rows, shape[0]))
+
+    @contextlib.contextmanager
+    def chunked_normal():
+        jax_random.normal = normal  # nnx/jax initializers call jax._src.random.normal by attribute
+        try:
+            yield
+        finally:
+            jax_random.normal = original
 
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: ZayaForCausalLM(cfg, rngs=nnx.Rngs(0))))
-    state = jax.jit(lambda: create()[1])()
+    with chunked_normal():
+        state = jax.jit(lambda: nnx.split(ZayaForCausalLM(cfg, rngs=nnx.Rngs(0)))[1])()
     return nnx.merge(graphdef, state)
 
 
@@ -75,6 +99,70 @@ def tokens_file(spec, side, batch):
     return os.path.join(spec["work"], f"tokens_{side}_b{batch}.npy")
 
 
+def start_compiles(spec, scorers, decoder, phases: Phases):
+    """Compiles every program the JAX phases run, in threads, while the main thread writes the weights: scoring
+    ahead of time (lower().compile() fills the cache jit calls use), decode by one prefill and one generation on
+    dummy prompts of the measured shapes. Returns {phase: Future of compile seconds}; a failed one is only
+    recorded (the phase then compiles on its first call)."""
+    import concurrent.futures
+
+    import numpy as np
+
+    from zaya_jax.inference.generate import generate_padded
+    if os.environ.get("ZAYA_BENCH_NO_PRECOMPILE"):
+        return {}
+    record = phases.compile_record = {}  # filled by the threads, copied into the results by the main thread
+
+    def job(name, fn):
+        def run():
+            start = time.perf_counter()
+            try:
+                if name in phases.failing:
+                    raise RuntimeError(f"compile {name} failed on purpose")
+                fn()
+            except Exception as e:
+                record[name] = dict(status="error", error=f"{type(e).__name__}: {str(e)[:1000]}",
+                                    seconds=round(time.perf_counter() - start, 2))
+                raise
+            record[name] = dict(status="ok", seconds=round(time.perf_counter() - start, 2))
+            print(f"[jax] compiled {name} in {record[name]['seconds']} s", flush=True)
+            return record[name]["seconds"]
+        return name, run
+
+    def scoring(scorer, batch, length):
+        zeros = np.zeros((batch, length), np.int32)
+        scorer._score.lower(scorer.state, zeros, zeros, np.zeros((batch, length), np.float32)).compile()
+
+    def decode(batch):
+        ids = np.zeros((batch, spec["prompt"]), np.int32)
+        jax_sync(decoder.prefill(decoder.init_cache(batch, spec["prompt"] + spec["new_tokens"]), ids))
+        generate_padded(decoder, ids, max_new_tokens=spec["new_tokens"])
+
+    jobs = [job(f"scoring_{b}x{n}", lambda b=b, n=n: scoring(scorers[f"{b}x{n}"], b, n)) for b, n in spec["scoring"]]
+    jobs += [job(f"decode_{b}", lambda b=b: decode(b)) for b in spec["decode_batches"]]
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=spec["compile_threads"])
+    futures = {name: pool.submit(run) for name, run in jobs}
+    pool.shutdown(wait=False)
+    return futures
+
+
+def jax_sync(x):
+    import jax
+    jax.block_until_ready(x)
+
+
+def wait_for(warm, name, phases: Phases):
+    """Seconds the warm-up compile of this phase took (None when it failed or did not run)."""
+    if name not in warm:
+        return None
+    try:
+        return warm[name].result()
+    except Exception:
+        return None
+    finally:
+        phases.data["compile"] = phases.compile_record.copy()  # atomic under the GIL
+
+
 def run_jax(spec, preset_name, phases: Phases):
     import jax
     import jax.numpy as jnp
@@ -82,7 +170,7 @@ def run_jax(spec, preset_name, phases: Phases):
 
     from zaya_jax.checkpoint.hf import to_hf
     from zaya_jax.inference.decoder import Decoder
-    from zaya_jax.inference.generate import generate_padded
+    from zaya_jax.inference.generate import _decode_loop, generate_padded
     from zaya_jax.inference.scoring import Scorer
     from zaya_jax.param_count import abstract_param_counts
 
@@ -97,18 +185,34 @@ def run_jax(spec, preset_name, phases: Phases):
     def sync(x):
         jax.block_until_ready(x)
 
-    def prepare():
-        out = {}
+    def init():
         start = time.perf_counter()
-        model = init_model(preset_name)
+        model = init_model(preset_name, spec["init_chunk_elements"])
         jax.block_until_ready(jax.tree.leaves(model))
-        out["init_s"] = round(time.perf_counter() - start, 2)
         leaves = jax.tree.leaves(model)
-        out["param_bytes"] = int(sum(a.nbytes for a in leaves))
-        out["param_dtypes"] = sorted({str(a.dtype) for a in leaves})
-        counts = abstract_param_counts(model.cfg)
-        out["param_counts"] = counts
+        rng = np.random.default_rng(0)
+        for batch in spec["decode_batches"]:
+            ids = rng.integers(3, model.cfg.vocab_size, (batch, spec["prompt"])).astype(np.int32)
+            np.save(prompts_file(spec, batch), ids)
+        state["model"] = model
+        return dict(init_s=round(time.perf_counter() - start, 2), param_bytes=int(sum(a.nbytes for a in leaves)),
+                    param_dtypes=sorted({str(a.dtype) for a in leaves}),
+                    param_counts=abstract_param_counts(model.cfg), peak_gib=peak_gib())
+
+    if not phases.run("init", init, min_left_s=-float("inf")):  # needed by everything else
+        return
+    model = state["model"]
+    cfg = model.cfg
+    counts = phases.data["init"]["param_counts"]
+    deadline = phases.deadline
+    decoder = Decoder(model)
+    decoder.bind(_decode_loop, static_argnames=("sampling", "max_new_tokens"), donate_argnums=1)  # as generate
+    scorers = {f"{b}x{n}": Scorer(model, max_length=n, batch_size=b, buckets=(n,)) for b, n in spec["scoring"]}
+    warm = start_compiles(spec, scorers, decoder, phases)  # compiles while the weights are written
+
+    def export():
         start = time.perf_counter()
+        out = {}
         if os.path.isfile(os.path.join(spec["model_dir"], "config.json")):
             out["export"] = "reused the existing directory (the same seed and preset are assumed)"
         else:
@@ -117,20 +221,10 @@ def run_jax(spec, preset_name, phases: Phases):
         files = [os.path.join(spec["model_dir"], f) for f in os.listdir(spec["model_dir"])]
         out["export_bytes"] = int(sum(os.path.getsize(f) for f in files))
         out["export_gb_per_s"] = round(out["export_bytes"] / max(out["export_s"], 1e-9) / 1e9, 2)
-        rng = np.random.default_rng(0)
-        for batch in spec["decode_batches"]:
-            ids = rng.integers(3, model.cfg.vocab_size, (batch, spec["prompt"])).astype(np.int32)
-            np.save(prompts_file(spec, batch), ids)
-        out["peak_gib"] = peak_gib()
-        state["model"] = model
         return out
 
-    if not phases.run("prepare", prepare):
+    if not phases.run("export", export, min_left_s=-float("inf")):
         return
-    model = state["model"]
-    cfg = model.cfg
-    counts = phases.data["prepare"]["param_counts"]
-    deadline = phases.deadline
 
     def copy_bandwidth():
         x = jnp.ones((64, 1024, 1024) if spec["quick"] else (256, 1024, 1024), jnp.float32)  # read + written
@@ -142,20 +236,21 @@ def run_jax(spec, preset_name, phases: Phases):
 
     for batch, length in spec["scoring"]:
         def score(batch=batch, length=length):
+            compile_s = wait_for(warm, f"scoring_{batch}x{length}", phases)
             rng = np.random.default_rng(1)
-            scorer = Scorer(model, max_length=length, batch_size=batch, buckets=(length,))
+            scorer = scorers[f"{batch}x{length}"]
             tokens = rng.integers(3, cfg.vocab_size, (batch, length + 1)).tolist()
             c = spec["continuation"]
             requests = [(t[:-c], t[-c:]) for t in tokens]  # the loss over each row's last c tokens
             t = timed(lambda: scorer.loglikelihood(requests), sync, repeats=spec["repeats"], deadline=deadline)
             logp = [float(x[0]) for x in t.pop("value")]
-            return dict(tokens_per_s=batch * length / t["median_s"], compile_and_first_s=t["first_s"],
-                        peak_gib=peak_gib(), **t, logp=logp)
+            return dict(tokens_per_s=batch * length / t["median_s"], compile_s=compile_s, peak_gib=peak_gib(), **t,
+                        logp=logp)
         phases.run(f"scoring_{batch}x{length}", score, min_left_s=spec["min_left"]["scoring"])
 
-    decoder = Decoder(model)
     for batch in spec["decode_batches"]:
         def decode(batch=batch):
+            compile_s = wait_for(warm, f"decode_{batch}", phases)
             ids = np.load(prompts_file(spec, batch))
             new = spec["new_tokens"]
             max_length = spec["prompt"] + new
@@ -178,10 +273,10 @@ def run_jax(spec, preset_name, phases: Phases):
                                 + cfg.vocab_size * cfg.hidden_size)  # bf16; the head reads the whole vocabulary
             step_bytes = weight_bytes + cache_bytes
             bw = phases.data.get("copy_bandwidth", {}).get("gb_per_s")
-            out = dict(ttft_s=ttft["median_s"], decode_tokens_per_s=batch * new / max(gen["median_s"] - ttft["median_s"],
-                                                                                      1e-9),
-                       generate_s=gen["median_s"], step_bytes=step_bytes, weight_bytes=weight_bytes,
-                       cache_bytes=cache_bytes,
+            out = dict(compile_s=compile_s, ttft_s=ttft["median_s"],
+                       decode_tokens_per_s=decode_rate(batch * new, gen["median_s"], ttft["median_s"]),
+                       tokens_per_s_with_prefill=batch * new / gen["median_s"], generate_s=gen["median_s"],
+                       step_bytes=step_bytes, weight_bytes=weight_bytes, cache_bytes=cache_bytes,
                        roofline_tokens_per_s=batch * bw * 1e9 / step_bytes if bw else None,
                        peak_gib=peak_gib(), ttft_timing=ttft, generate_timing=gen)
             if batch == 1:
@@ -264,7 +359,7 @@ def run_child(cmd, deadline, on_poll, env=None):
     while proc.poll() is None:
         if time.time() > deadline:
             ended = "stopped at its deadline"
-            for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 30)):
+            for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 20)):
                 try:
                     os.killpg(proc.pid, sig)
                 except ProcessLookupError:

@@ -105,3 +105,10 @@ def timed(fn, sync, *, repeats: int, deadline: float, cap_s: float = float("inf"
         (ordered[len(ordered) // 2 - 1] + ordered[len(ordered) // 2]) / 2 if ordered else first)
     return dict(first_s=round(first, 4), median_s=median, n=len(times), times=[round(t, 4) for t in times],
                 value=value)
+
+
+def decode_rate(new_tokens: int, generate_s: float, ttft_s: float):
+    """New tokens per second of the decode loop alone: (generation time - prefill time); None when the difference
+    is not positive (timing noise on a tiny model)."""
+    loop = generate_s - ttft_s
+    return new_tokens / loop if loop > 0 else None
