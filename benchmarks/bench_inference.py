@@ -227,7 +227,7 @@ def run_jax(spec, preset_name, phases: Phases):
         return
 
     def copy_bandwidth():
-        x = jnp.ones((64, 1024, 1024) if spec["quick"] else (256, 1024, 1024), jnp.float32)  # read + written
+        x = jnp.ones((64, 1024, 1024) if spec["quick"] else (1024, 1024, 1024), jnp.float32)  # read + written
         t = timed(lambda: x + 1, sync, repeats=5, deadline=deadline)
         t.pop("value")
         return dict(gb_per_s=2 * x.nbytes / t["median_s"] / 1e9, bytes=2 * x.nbytes, **t)
@@ -347,6 +347,22 @@ def ratios(ours, hf):
     return out
 
 
+def mark_unfinished(path, ended):
+    """A phase a child was in when it ended is marked so (stopped at the deadline, or the process died)."""
+    try:
+        data = json.load(open(path))
+    except (OSError, ValueError):
+        return
+    changed = False
+    for record in data.get("phases", {}).values():
+        if record.get("status") == "running":
+            record["status"] = "unfinished"
+            record["reason"] = f"the process {ended} during this phase"
+            changed = True
+    if changed:
+        write_json(path, data)
+
+
 def child_env():
     return {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
@@ -444,11 +460,13 @@ def main(argv=None):
               "--phase", "jax"]
         rc, ended = run_child(me, spec["jax_deadline"] + 10, refresh, env=child_env())
         result["children"]["jax"] = dict(returncode=rc, ended=ended, at_s=round(time.time() - t0, 1))
+        mark_unfinished(spec["jax_out"], ended)
         print(f"[driver] jax child: {ended}, exit {rc}, {time.time() - t0:.0f} s", flush=True)
         if os.path.isfile(os.path.join(model_dir, "config.json")):
             hf_cmd = [args.hf_python, os.path.join(HERE, "bench_inference_hf.py"), spec_path]
             rc, ended = run_child(hf_cmd, spec["hf_deadline"] + 5, refresh)
             result["children"]["hf"] = dict(returncode=rc, ended=ended, at_s=round(time.time() - t0, 1))
+            mark_unfinished(spec["hf_out"], ended)
             print(f"[driver] hf child: {ended}, exit {rc}, {time.time() - t0:.0f} s", flush=True)
         else:
             result["children"]["hf"] = dict(ended="not run: no exported weights")

@@ -51,6 +51,9 @@ def main():
             model = transformers.AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=dtype).to(device)
             how = f"from_pretrained then .to({device}) ({type(e).__name__}: {str(e)[:200]})"
         model.eval()
+        # greedy for exactly max_new_tokens, as ours: no end-of-sequence stop (nor min_new_tokens' suppression of
+        # it, which would change a greedy choice)
+        model.generation_config.eos_token_id = None
         sync()
         state["model"] = model
         cfg = model.config
@@ -108,8 +111,11 @@ def main():
 
         def generate(n=new):
             with torch.inference_mode():
-                return m.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
-                                  min_new_tokens=n, use_cache=True, pad_token_id=0)[:, ids.shape[1]:]
+                out = m.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                                 use_cache=True, pad_token_id=0)[:, ids.shape[1]:]
+            if out.shape[1] != n:
+                raise RuntimeError(f"generate returned {out.shape[1]} new tokens, not {n}")
+            return out
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         ttft = timed(prefill, sync, repeats=spec["repeats"], deadline=phases.deadline)

@@ -4,7 +4,8 @@ imports no JAX and the JAX half no torch).
 Every measurement is a named phase run under `Phases.run`: it is skipped when the process's deadline is too near,
 an exception is recorded (type, message, traceback tail) instead of ending the process, and the whole result is
 re-written to the process's JSON file (atomically) after each phase, so a process killed at its deadline still
-leaves everything measured before. ZAYA_BENCH_FAIL=name1,name2 makes those phases raise (to test partial output).
+leaves everything measured before. ZAYA_BENCH_FAIL=name1,name2 makes those phases raise, ZAYA_BENCH_HANG=name
+makes one hang (to test partial output and the deadline).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 import traceback
 
 FAIL_ENV = "ZAYA_BENCH_FAIL"
+HANG_ENV = "ZAYA_BENCH_HANG"  # phases that sleep until the process is stopped (to test the deadline)
 
 
 def write_json(path: str, data) -> None:
@@ -29,6 +31,7 @@ class Phases:
         self.out_path, self.deadline, self.prefix = out_path, deadline, prefix
         self.data: dict = {"phases": {}}
         self.failing = {s.strip() for s in os.environ.get(FAIL_ENV, "").split(",") if s.strip()}
+        self.hanging = {s.strip() for s in os.environ.get(HANG_ENV, "").split(",") if s.strip()}
         self.save()
 
     def left(self) -> float:
@@ -53,6 +56,8 @@ class Phases:
         try:
             if name in self.failing:
                 raise RuntimeError(f"phase {name} failed on purpose ({FAIL_ENV})")
+            while name in self.hanging:
+                time.sleep(1)
             result = fn()
             if result is not None:
                 self.data[into or name] = result
