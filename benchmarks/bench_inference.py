@@ -119,24 +119,52 @@ def start_compiles(spec, scorers, decoder, phases: Phases):
             try:
                 if name in phases.failing:
                     raise RuntimeError(f"compile {name} failed on purpose")
-                fn()
+                memory = fn()
             except Exception as e:
                 record[name] = dict(status="error", error=f"{type(e).__name__}: {str(e)[:1000]}",
                                     seconds=round(time.perf_counter() - start, 2))
                 raise
-            record[name] = dict(status="ok", seconds=round(time.perf_counter() - start, 2))
+            record[name] = dict(status="ok", seconds=round(time.perf_counter() - start, 2), xla_memory_gib=memory)
             print(f"[jax] compiled {name} in {record[name]['seconds']} s", flush=True)
             return record[name]["seconds"]
         return name, run
 
+    def memory_gib(compiled):
+        """What XLA plans for one call: arguments (the weights included), outputs and temporaries, in GiB."""
+        try:
+            m = compiled.memory_analysis()
+            return dict(arguments=m.argument_size_in_bytes / 2**30, outputs=m.output_size_in_bytes / 2**30,
+                        temporaries=m.temp_size_in_bytes / 2**30,
+                        total=(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+                               - m.alias_size_in_bytes) / 2**30)
+        except Exception as e:
+            return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+
     def scoring(scorer, batch, length):
         zeros = np.zeros((batch, length), np.int32)
-        scorer._score.lower(scorer.state, zeros, zeros, np.zeros((batch, length), np.float32)).compile()
+        compiled = scorer._score.lower(scorer.state, zeros, zeros, np.zeros((batch, length), np.float32)).compile()
+        return memory_gib(compiled)
 
     def decode(batch):
         ids = np.zeros((batch, spec["prompt"]), np.int32)
-        jax_sync(decoder.prefill(decoder.init_cache(batch, spec["prompt"] + spec["new_tokens"]), ids))
+        max_length = spec["prompt"] + spec["new_tokens"]
+        jax_sync(decoder.prefill(decoder.init_cache(batch, max_length), ids))
         generate_padded(decoder, ids, max_new_tokens=spec["new_tokens"])
+        try:  # the compiled programs' memory plans (compiled already: a cache hit)
+            import jax
+            import jax.numpy as jnp
+
+            from zaya_jax.inference.generate import _decode_loop
+            from zaya_jax.inference.sampling import GREEDY
+            cache = decoder.init_cache(batch, max_length)
+            prefill = decoder._prefill.lower(decoder.state, cache, jnp.asarray(ids), None, all_logits=False).compile()
+            loop = decoder.bind(_decode_loop).lower(
+                decoder.state, cache, jax.ShapeDtypeStruct((batch, decoder.cfg.vocab_size), jnp.float32),
+                jax.random.key(0), jnp.asarray([-1], jnp.int32), jnp.int32(0), sampling=GREEDY,
+                max_new_tokens=spec["new_tokens"]).compile()
+            return dict(prefill=memory_gib(prefill), decode_loop=memory_gib(loop))
+        except Exception as e:
+            return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
 
     jobs = [job(f"scoring_{b}x{n}", lambda b=b, n=n: scoring(scorers[f"{b}x{n}"], b, n)) for b, n in spec["scoring"]]
     jobs += [job(f"decode_{b}", lambda b=b: decode(b)) for b in spec["decode_batches"]]
