@@ -395,10 +395,25 @@ def child_env():
     return {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
+RUNNING: list = []  # the child process now running, for the driver's SIGTERM handler
+
+
+def stop_running_child(signum, frame):
+    """The driver was told to stop: end the child's process group (it runs in its own session), then unwind so the
+    results file is written a last time."""
+    for proc in RUNNING:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    raise SystemExit(f"stopped by signal {signum}")
+
+
 def run_child(cmd, deadline, on_poll, env=None):
     """Runs cmd in its own process group until it exits or the deadline (then SIGTERM, SIGKILL to the group);
     on_poll() every 2 s. Returns (exit code or None, how it ended)."""
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
+    RUNNING[:] = [proc]
     ended = "exited"
     while proc.poll() is None:
         if time.time() > deadline:
@@ -481,6 +496,9 @@ def main(argv=None):
         result["elapsed_s"] = round(time.time() - t0, 1)
         write_json(out_path, result)
 
+    signal.signal(signal.SIGTERM, stop_running_child)
+    signal.signal(signal.SIGHUP, stop_running_child)
+    signal.signal(signal.SIGINT, stop_running_child)
     print(f"[driver] writing {out_path}; work directory {work}", flush=True)
     refresh()
     try:

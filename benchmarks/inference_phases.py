@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 import traceback
 
 FAIL_ENV = "ZAYA_BENCH_FAIL"
+WATCHDOG_GRACE_S = 25
 HANG_ENV = "ZAYA_BENCH_HANG"  # phases that sleep until the process is stopped (to test the deadline)
 
 
@@ -33,6 +35,10 @@ class Phases:
         self.failing = {s.strip() for s in os.environ.get(FAIL_ENV, "").split(",") if s.strip()}
         self.hanging = {s.strip() for s in os.environ.get(HANG_ENV, "").split(",") if s.strip()}
         self.save()
+        # the driver stops this process at its deadline; should the driver itself be gone, the process ends itself
+        watchdog = threading.Timer(max(0.0, deadline - time.time()) + WATCHDOG_GRACE_S, os._exit, args=(3,))
+        watchdog.daemon = True
+        watchdog.start()
 
     def left(self) -> float:
         return self.deadline - time.time()
