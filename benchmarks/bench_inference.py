@@ -95,6 +95,10 @@ def prompts_file(spec, batch):
     return os.path.join(spec["work"], f"prompt_b{batch}.npy")
 
 
+def scoring_file(spec, batch, length):
+    return os.path.join(spec["work"], f"scoring_{batch}x{length}.npy")
+
+
 def tokens_file(spec, side, batch):
     return os.path.join(spec["work"], f"tokens_{side}_b{batch}.npy")
 
@@ -222,6 +226,9 @@ def run_jax(spec, preset_name, phases: Phases):
         for batch in spec["decode_batches"]:
             ids = rng.integers(3, model.cfg.vocab_size, (batch, spec["prompt"])).astype(np.int32)
             np.save(prompts_file(spec, batch), ids)
+        for batch, length in spec["scoring"]:  # the HF half scores the same tokens
+            tokens = rng.integers(3, model.cfg.vocab_size, (batch, length + 1)).astype(np.int32)
+            np.save(scoring_file(spec, batch, length), tokens)
         state["model"] = model
         return dict(init_s=round(time.perf_counter() - start, 2), param_bytes=int(sum(a.nbytes for a in leaves)),
                     param_dtypes=sorted({str(a.dtype) for a in leaves}),
@@ -265,9 +272,8 @@ def run_jax(spec, preset_name, phases: Phases):
     for batch, length in spec["scoring"]:
         def score(batch=batch, length=length):
             compile_s = wait_for(warm, f"scoring_{batch}x{length}", phases)
-            rng = np.random.default_rng(1)
             scorer = scorers[f"{batch}x{length}"]
-            tokens = rng.integers(3, cfg.vocab_size, (batch, length + 1)).tolist()
+            tokens = np.load(scoring_file(spec, batch, length)).tolist()
             c = spec["continuation"]
             requests = [(t[:-c], t[-c:]) for t in tokens]  # the loss over each row's last c tokens
             t = timed(lambda: scorer.loglikelihood(requests), sync, repeats=spec["repeats"], deadline=deadline)
