@@ -359,6 +359,33 @@ def scoring_agreement(ours, hf):
     return out
 
 
+def summary(ours, hf):
+    """The headline numbers side by side: {measurement: {ours, hf_eager, hf_compiled}} (None where missing)."""
+    def get(d, name, key):
+        row = d.get(name)
+        return row.get(key) if isinstance(row, dict) else None
+
+    out = {}
+    for name in ours:
+        for kind, keys in (("scoring", ("tokens_per_s", "peak_gib")),
+                           ("decode", ("decode_tokens_per_s", "ttft_s", "peak_gib"))):
+            if name.startswith(kind + "_"):
+                shape = name[len(kind) + 1:]
+                for key in keys:
+                    out[f"{name}_{key}"] = dict(ours=get(ours, name, key),
+                                                hf_eager=get(hf, f"{kind}_eager_{shape}", key),
+                                                hf_compiled=get(hf, f"{kind}_compiled_{shape}", key))
+                if kind == "decode":
+                    out[f"{name}_roofline_tokens_per_s"] = get(ours, name, "roofline_tokens_per_s")
+                # ours peak_gib is the process's peak so far (the init's temporaries included); XLA's plan for
+                # the phase's programs (weights + cache + temporaries) is the comparable figure
+                plan = (ours.get("compile") or {}).get(name, {}).get("xla_memory_gib") or {}
+                totals = [p.get("total") for p in ([plan] if "total" in plan else plan.values())
+                          if isinstance(p, dict) and p.get("total")]
+                out[f"{name}_ours_xla_plan_gib"] = max(totals, default=None)
+    return out
+
+
 def ratios(ours, hf):
     """ours / HF's best variant, per measurement; missing measurements are left out."""
     out = {}
@@ -479,7 +506,7 @@ def main(argv=None):
     result = dict(preset=args.preset, status="running", started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
                   time_budget_s=args.time_budget, hf_reserve_s=hf_reserve,
                   spec={k: v for k, v in spec.items() if k not in ("jax_out", "hf_out", "work")},
-                  children={}, ours={}, hf={}, greedy_equality={}, scoring_agreement={}, ratios={})
+                  children={}, summary={}, ratios={}, greedy_equality={}, scoring_agreement={}, ours={}, hf={})
 
     def refresh():
         for side, path in (("ours", spec["jax_out"]), ("hf", spec["hf_out"])):
@@ -491,6 +518,10 @@ def main(argv=None):
             result["greedy_equality"] = greedy_equality(spec)
         except Exception as e:
             result["greedy_equality"] = {"error": f"{type(e).__name__}: {e}"}
+        try:
+            result["summary"] = summary(result["ours"], result["hf"])
+        except Exception as e:
+            result["summary"] = {"error": f"{type(e).__name__}: {e}"}
         try:
             result["scoring_agreement"] = scoring_agreement(result["ours"], result["hf"])
         except Exception as e:
