@@ -184,15 +184,18 @@ def jax_sync(x):
 
 
 def wait_for(warm, name, phases: Phases):
-    """Seconds the warm-up compile of this phase took (None when it failed or did not run)."""
-    if name not in warm:
-        return None
+    """Waits for the warm-up compile of this phase, then for all the others (they run programs and autotune on the
+    GPU, which would disturb the timings), the latter at most until a minute before the deadline. Returns (seconds
+    the phase's compile took or None when it failed or did not run, warm-ups still running)."""
+    import concurrent.futures
     try:
-        return warm[name].result()
+        compile_s = warm[name].result() if name in warm else None
     except Exception:
-        return None
-    finally:
-        phases.data["compile"] = phases.compile_record.copy()  # atomic under the GIL
+        compile_s = None
+    if warm:
+        concurrent.futures.wait(list(warm.values()), timeout=max(0.0, phases.left() - 60))
+    phases.data["compile"] = phases.compile_record.copy()  # atomic under the GIL
+    return compile_s, sorted(n for n, f in warm.items() if not f.done())
 
 
 def run_jax(spec, preset_name, phases: Phases):
@@ -262,16 +265,18 @@ def run_jax(spec, preset_name, phases: Phases):
         return
 
     def copy_bandwidth():
+        busy = wait_for(warm, "", phases)[1]
         x = jnp.ones((64, 1024, 1024) if spec["quick"] else (1024, 1024, 1024), jnp.float32)  # read + written
         t = timed(lambda: x + 1, sync, repeats=5, deadline=deadline)
         t.pop("value")
-        return dict(gb_per_s=2 * x.nbytes / t["median_s"] / 1e9, bytes=2 * x.nbytes, **t)
+        return dict(gb_per_s=2 * x.nbytes / t["median_s"] / 1e9, bytes=2 * x.nbytes, **t,
+                    warmups_running_meanwhile=busy)
 
     phases.run("copy_bandwidth", copy_bandwidth)
 
     for batch, length in spec["scoring"]:
         def score(batch=batch, length=length):
-            compile_s = wait_for(warm, f"scoring_{batch}x{length}", phases)
+            compile_s, busy = wait_for(warm, f"scoring_{batch}x{length}", phases)
             scorer = scorers[f"{batch}x{length}"]
             tokens = np.load(scoring_file(spec, batch, length)).tolist()
             c = spec["continuation"]
@@ -279,12 +284,12 @@ def run_jax(spec, preset_name, phases: Phases):
             t = timed(lambda: scorer.loglikelihood(requests), sync, repeats=spec["repeats"], deadline=deadline)
             logp = [float(x[0]) for x in t.pop("value")]
             return dict(tokens_per_s=batch * length / t["median_s"], compile_s=compile_s, peak_gib=peak_gib(), **t,
-                        logp=logp)
+                        logp=logp, warmups_running_meanwhile=busy)
         phases.run(f"scoring_{batch}x{length}", score, min_left_s=spec["min_left"]["scoring"])
 
     for batch in spec["decode_batches"]:
         def decode(batch=batch):
-            compile_s = wait_for(warm, f"decode_{batch}", phases)
+            compile_s, busy = wait_for(warm, f"decode_{batch}", phases)
             ids = np.load(prompts_file(spec, batch))
             new = spec["new_tokens"]
             max_length = spec["prompt"] + new
@@ -312,7 +317,7 @@ def run_jax(spec, preset_name, phases: Phases):
                        tokens_per_s_with_prefill=batch * new / gen["median_s"], generate_s=gen["median_s"],
                        step_bytes=step_bytes, weight_bytes=weight_bytes, cache_bytes=cache_bytes,
                        roofline_tokens_per_s=batch * bw * 1e9 / step_bytes if bw else None,
-                       peak_gib=peak_gib(), ttft_timing=ttft, generate_timing=gen)
+                       peak_gib=peak_gib(), ttft_timing=ttft, generate_timing=gen, warmups_running_meanwhile=busy)
             if batch == 1:
                 out["tokens"] = tokens[0].tolist()
             return out
