@@ -477,6 +477,28 @@ def run_child(cmd, deadline, on_poll, env=None):
     return proc.returncode, ended
 
 
+def work_parent(args):
+    """Where the work directory (with the exported weights, unless --model-dir) goes: $BENCH_TMP, else the first
+    of the temporary directory, the repository and /dev/shm with room for the bf16 weights and 2 GB more."""
+    if os.environ.get("BENCH_TMP"):
+        return os.environ["BENCH_TMP"]
+    try:
+        from zaya_jax.config import preset  # no JAX import
+        need = 2 * preset(args.preset).param_counts()["total"] + 2e9
+    except Exception:
+        return None
+    if args.model_dir:
+        need = 1e9
+    for d in (tempfile.gettempdir(), ROOT, "/dev/shm"):
+        try:
+            if shutil.disk_usage(d).free > need and os.access(d, os.W_OK):
+                return d
+        except OSError:
+            continue
+    print(f"[driver] no directory with {need / 1e9:.0f} GB free found; trying the default", flush=True)
+    return None
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="bench", help="model preset (bench, zaya1_8b, tiny)")
@@ -501,7 +523,7 @@ def main(argv=None):
     t0 = time.time()
     out_path = os.path.abspath(args.out or f"bench_inference_{args.preset}.json")
     hf_reserve = 0.4 * args.time_budget if args.hf_reserve is None else args.hf_reserve
-    work = tempfile.mkdtemp(prefix="bench_inference_", dir=os.environ.get("BENCH_TMP"))
+    work = tempfile.mkdtemp(prefix="bench_inference_", dir=work_parent(args))
     model_dir = os.path.abspath(args.model_dir) if args.model_dir else os.path.join(work, "model")
     spec = spec_for(args, model_dir, work)
     spec.update(quick=args.quick, jax_out=os.path.join(work, "jax.json"), hf_out=os.path.join(work, "hf.json"),
@@ -509,7 +531,8 @@ def main(argv=None):
     spec_path = os.path.join(work, "spec.json")
     write_json(spec_path, spec)
     result = dict(preset=args.preset, status="running", started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
-                  time_budget_s=args.time_budget, hf_reserve_s=hf_reserve,
+                  time_budget_s=args.time_budget, hf_reserve_s=hf_reserve, work_dir=work,
+                  work_free_gb=round(shutil.disk_usage(work).free / 1e9, 1),
                   spec={k: v for k, v in spec.items() if k not in ("jax_out", "hf_out", "work")},
                   children={}, summary={}, ratios={}, greedy_equality={}, scoring_agreement={}, ours={}, hf={})
 
