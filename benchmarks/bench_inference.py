@@ -8,15 +8,24 @@ python -m benchmarks.bench_inference [--preset bench|zaya1_8b|tiny] [--out FILE.
 
 Two child processes run one after the other, each with the GPU to itself (the first has exited, and its memory is
 freed, before the second starts; the HF half records the free GPU memory it finds):
-  1. JAX (this file, --phase jax): initialises the model on the device (one jitted init, bf16 parameters),
-     exports it as a HF directory (bf16 safetensors, one layer at a time through the host), writes the prompts,
-     then measures with the same in-memory weights: copy bandwidth, scoring, decode at batch 1 and 64, then 8.
+  1. JAX (this file, --phase jax): initialises the model on the device (one jitted init, bf16 parameters, large
+     normal draws made in row blocks), writes the prompts and scoring tokens, starts compiling every measured
+     program in threads, exports the weights as a HF directory (bf16 safetensors, one layer at a time through the
+     host), then, once the compiles are done, measures with the same in-memory weights: copy bandwidth, scoring,
+     decode at batch 1 and 64, then 8. Compile times are reported apart from the timings (medians of 3).
   2. HF (benchmarks/bench_inference_hf.py): loads the directory in bf16 onto the GPU, measures eager scoring and
      decode at batch 1 and 64, then batch 8, then the torch.compile variants.
 Each child runs named phases (benchmarks/inference_phases.py): a failing phase is recorded and the next one runs;
 phases are skipped when the time budget is near; the JAX child is stopped at its share of the budget (all but
 --hf-reserve seconds, unless it ends earlier) and the HF child at the budget's end. The driver re-writes --out
-whenever a child's results change, so a run stopped from outside still leaves its partial results.
+whenever a child's results change, so a run stopped from outside still leaves its partial results (on SIGTERM
+it also ends the running child and writes a last time). The JSON: summary (ours / HF eager / HF compiled per
+measurement), ratios, greedy_equality (per decode batch, ours against HF on the same prompts), scoring_agreement
+(summed log-probabilities of the same tokens), then each half's raw results with a status per phase under
+ours.phases and hf.phases (ok, error with the message, skipped, unfinished).
+
+Testing the robustness on the CPU: --preset tiny --quick --hf-python .venv-ref/bin/python, with
+ZAYA_BENCH_FAIL=phase,... (those phases raise) or ZAYA_BENCH_HANG=phase (it hangs until the deadline).
 """
 
 from __future__ import annotations
