@@ -220,6 +220,7 @@ def run_jax(spec, preset_name, phases: Phases):
 
     device = jax.devices()[0]
     phases.data["info"] = {"jax": jax.__version__, "device": device.device_kind, "platform": device.platform}
+    print(f"[jax] jax {jax.__version__} on {device.platform}: {device.device_kind}", flush=True)
     state = {}
 
     def peak_gib():

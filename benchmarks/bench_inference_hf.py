@@ -38,6 +38,7 @@ def main():
         free, total = torch.cuda.mem_get_info()
         info.update(gpu_free_gib_at_start=round(free / 2**30, 2), gpu_total_gib=round(total / 2**30, 2))
     phases.data["info"] = info
+    print(f"[hf] {json.dumps(info)}", flush=True)
     phases.save()
     state = {}
 
