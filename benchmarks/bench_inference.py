@@ -122,9 +122,9 @@ def start_compiles(spec, scorers, decoder, phases: Phases):
     import numpy as np
 
     from zaya_jax.inference.generate import generate_padded
+    record = phases.compile_record  # filled by the threads, copied into the results by the main thread
     if os.environ.get("ZAYA_BENCH_NO_PRECOMPILE"):
         return {}
-    record = phases.compile_record = {}  # filled by the threads, copied into the results by the main thread
 
     def job(name, fn):
         def run():
@@ -256,7 +256,12 @@ def run_jax(spec, preset_name, phases: Phases):
     decoder = Decoder(model)
     decoder.bind(_decode_loop, static_argnames=("sampling", "max_new_tokens"), donate_argnums=1)  # as generate
     scorers = {f"{b}x{n}": Scorer(model, max_length=n, batch_size=b, buckets=(n,)) for b, n in spec["scoring"]}
-    warm = start_compiles(spec, scorers, decoder, phases)  # compiles while the weights are written
+    phases.compile_record = {}
+    try:
+        warm = start_compiles(spec, scorers, decoder, phases)  # compiles while the weights are written
+    except Exception as e:  # each phase then compiles on its first call
+        phases.compile_record["start"] = {"status": "error", "error": f"{type(e).__name__}: {str(e)[:500]}"}
+        warm = {}
 
     def export():
         start = time.perf_counter()
