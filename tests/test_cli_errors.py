@@ -36,7 +36,7 @@ def test_values_that_cannot_work_are_refused_before_a_model_is_built(key, value,
     def built(*_, **__):
         raise AssertionError("a model was built")
 
-    monkeypatch.setattr(loop, "init_state", built)
+    monkeypatch.setattr(loop, "build_train_program", built)
     c = get_config()
     section, name = key.split(".")
     c[section][name] = value

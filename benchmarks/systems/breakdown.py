@@ -1,9 +1,12 @@
 """Iteration-time breakdown of a real training step (the paper's tagged-profile figure, spec section 15).
 
-Builds the trainer's own pieces (model, Muon/AdamW optimizer, jitted train step, data iterator over the built-in
-corpus, data-parallel mesh), compiles the step once, profiles a few steps with jax.profiler, and attributes every
-executed op to attention / experts / router / norms / embedding+head+loss / optimizer / communication / other
-through the Python stack XLA recorded for its HLO instruction (hlo_frames + op_classes). Host time spent making
+Builds the trainer's own program (zaya_jax/train/program.py build_train_program, what zaya_jax/train/loop.py runs)
+from a config made of the breakdown's on top of configs/default.py: mesh, Muon + AdamW with ZeRO-1, per-device
+gradients reduced explicitly on several devices, the jitted accumulating step (one microbatch per step here) with
+the state donated; batches come from the trainer's data iterator over the built-in corpus. It compiles that step
+once, profiles a few steps with jax.profiler, and attributes every executed op to attention / experts / router /
+norms / embedding+head+loss / optimizer / communication / other through the Python stack XLA recorded for its HLO
+instruction (hlo_frames of the compiled executable's text + op_classes). Host time spent making
 and transferring batches is measured through a 'data_loading' annotation. On a GPU the kernels of one stream run
 one after another, so category times add up to the busy time of the step; XLA:CPU runs thunks on several threads
 at once, so on the CPU shares are of summed op time.
@@ -18,18 +21,17 @@ import tempfile
 import time
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from ml_collections import ConfigDict
 
-from zaya_jax.config import preset
+from configs.default import get_config
 from zaya_jax.data import builtin_corpus, load_tokenizer, train_iterator
 from zaya_jax.optim.balancing import BalancerConfig
-from zaya_jax.optim.optimizer import OptimizerConfig, build_optimizer
-from zaya_jax.parallel.mesh import make_mesh
+from zaya_jax.optim.optimizer import OptimizerConfig
 from benchmarks.systems import hlo_frames, memory_model, op_classes, plots, profile_trace
 from benchmarks.systems.op_classes import CATEGORIES
 from benchmarks.systems.report import table, write_json
-from zaya_jax.train.loop import init_state
-from zaya_jax.train.step import make_train_step
+from zaya_jax.train.loop import stacked_on_devices
+from zaya_jax.train.program import build_train_program
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,24 +59,38 @@ def _batches(cfg, bc: BreakdownConfig, vocab_size: int, log=print):
         return train_iterator(corpus.train, {name: 1.0 for name in corpus.train}, prefetch=0, **kw)
 
 
+def train_config(bc: BreakdownConfig) -> ConfigDict:
+    """The trainer's config of a breakdown: configs/default.py with its model (the preset and overrides as given),
+    one microbatch of `rows` x `seq_len` per optimizer step, the data-parallel mesh over `devices`, the default
+    parallelism of configs/default.py (ZeRO-1), the optimizer and bias controller the breakdown has always used."""
+    c = get_config()
+    c.seed = 0
+    c.model = ConfigDict(dict(preset=bc.preset, overrides=ConfigDict(dict(bc.overrides))))
+    c.data.seq_len = bc.seq_len
+    tokens = bc.rows * bc.seq_len
+    c.train.update(steps=1, global_batch_tokens=tokens, microbatch_tokens=tokens)
+    c.optim = ConfigDict(dataclasses.asdict(OptimizerConfig(warmup_steps=10, total_steps=1000)))
+    c.balancing = ConfigDict(dataclasses.asdict(BalancerConfig()))
+    c.mesh = ConfigDict(dict(data=-1, context=1, num_devices=bc.devices))
+    return c
+
+
 def profile(bc: BreakdownConfig, logdir: str | None = None, log=print) -> dict:
-    cfg = preset(bc.preset, **dict(bc.overrides))
-    mesh = make_mesh(num_devices=bc.devices)
-    tx = build_optimizer(OptimizerConfig(warmup_steps=10, total_steps=1000), None, log=None)
-    graphdef, state = init_state(cfg, tx, 0, NamedSharding(mesh, P()))
-    batch_sharding = NamedSharding(mesh, P("data"))
+    program = build_train_program(train_config(bc), log=log)
+    cfg, mesh, state = program.model, program.mesh, program.state
     it = _batches(cfg, bc, cfg.vocab_size, log)
 
-    def next_batch():
+    def next_batch():  # one microbatch per step, stacked [1, rows, ...] as the trainer puts it on the devices
         with jax.profiler.TraceAnnotation("data_loading"):
-            return jax.block_until_ready({k: jax.device_put(v, batch_sharding) for k, v in next(it).items()})
+            return jax.block_until_ready(stacked_on_devices([next(it)], program.batch_sharding))
 
-    step = jax.jit(make_train_step(graphdef, tx, BalancerConfig()), donate_argnums=0)
     t0 = time.perf_counter()
-    compiled = step.lower(state, next_batch()).compile(compiler_options=_compile_options(bc))
+    # the trainer's jitted step (its own compiler options, shardings and donation); only the CPU attribution
+    # options are added here
+    compiled = program.step.lower(state, next_batch()).compile(compiler_options=_compile_options(bc))
     compile_s = time.perf_counter() - t0
     index = hlo_frames.parse(compiled.as_text())
-    memory = memory_comparison(cfg, compiled, bc, mesh.devices.size)
+    memory = memory_comparison(cfg, compiled, bc, mesh.devices.size, zero1=program.parallel.zero1)
     state, _ = compiled(state, next_batch())  # warm-up: first-run allocations and autotuning stay out of the trace
     jax.block_until_ready(state)
 
@@ -90,7 +106,8 @@ def profile(bc: BreakdownConfig, logdir: str | None = None, log=print) -> dict:
     it.close()
     ops, marks, lines = profile_trace.load(logdir)
     result = attribute(ops, marks, index, steps=bc.steps)
-    result.update(config=dict(dataclasses.asdict(bc), model=bc.preset, devices=mesh.devices.size),
+    result.update(config=dict(dataclasses.asdict(bc), model=bc.preset, devices=mesh.devices.size,
+                              parallel=dataclasses.asdict(program.parallel)),
                   step_wall_s=sum(walls) / len(walls), compile_s=compile_s, trace_dir=logdir, trace_lines=lines,
                   tokens_per_step=bc.rows * bc.seq_len, memory=memory)
     log(f"  step {result['step_wall_s'] * 1e3:.1f} ms, {len(ops)} ops from {len(lines)} trace lines")
@@ -108,13 +125,14 @@ def _compile_options(bc: BreakdownConfig) -> dict | None:
     return options
 
 
-def memory_comparison(cfg, compiled, bc: BreakdownConfig, devices: int) -> dict:
-    """The memory model's prediction for this step (recipe zaya_jax) next to XLA's allocation for it: the check
-    of the model on the backend at hand (a GPU in the suite)."""
+def memory_comparison(cfg, compiled, bc: BreakdownConfig, devices: int, zero1: bool = False) -> dict:
+    """The memory model's prediction for this step (recipe zaya_jax, with the program's ZeRO-1 setting) next to
+    XLA's allocation for it: the check of the model on the backend at hand (a GPU in the suite)."""
     ma = compiled.memory_analysis()
     peak = ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
-    predicted = memory_model.step_memory(cfg, memory_model.zaya_jax_recipe(cfg), memory_model.Parallel(dp=devices),
-                                         bc.seq_len, max(1, bc.rows // devices))
+    recipe = dataclasses.replace(memory_model.zaya_jax_recipe(cfg), zero1=zero1)
+    predicted = memory_model.step_memory(cfg, recipe, memory_model.Parallel(dp=devices), bc.seq_len,
+                                         max(1, bc.rows // devices))
     return dict(compiled_peak=peak, compiled_temporaries=ma.temp_size_in_bytes, predicted=predicted,
                 predicted_over_compiled=predicted["total"] / peak)
 

@@ -1,6 +1,7 @@
 """The train program: mesh, model, optimizer, train state and the sharded, jitted train step, assembled from a run's
 config in one place. The trainer (train/loop.py) runs it; the benchmarks (benchmarks/training/bench_programs.py,
-benchmarks/systems/scaling_step.py) compile it, so they measure the program the trainer runs."""
+benchmarks/systems/scaling_step.py, benchmarks/systems/breakdown.py) compile it, so they measure the program the
+trainer runs."""
 
 from __future__ import annotations
 
