@@ -5,6 +5,11 @@ read per decode step against the measured copy bandwidth) and greedy token equal
 
 python -m benchmarks.bench_inference [--preset bench|zaya1_8b|tiny] [--out FILE.json] [--hf-python PYTHON]
                                      [--time-budget S] [--hf-reserve S] [--model-dir DIR] [--quick]
+                                     [--kernels auto|xla]
+
+--kernels picks our implementations (zaya_jax/inference/kernels.py): auto (default) the platform's fast kernels
+(Pallas on GPU, per program: scoring, prefill, decode), xla the ModelConfig defaults (XLA attention,
+lax.ragged_dot experts). The choice and the resulting per-program overrides are recorded (kernels, ours.info).
 
 Two child processes run one after the other, each with the GPU to itself (the first has exited, and its memory is
 freed, before the second starts; the HF half records the free GPU memory it finds):
@@ -48,7 +53,7 @@ from inference_phases import Phases, decode_rate, timed, write_json  # noqa: E40
 
 def spec_for(args, model_dir, work):
     quick = args.quick
-    return dict(model_dir=model_dir, work=work, dtype="bfloat16", repeats=3, compile=not quick,
+    return dict(model_dir=model_dir, work=work, dtype="bfloat16", repeats=3, compile=not quick, kernels=args.kernels,
                 scoring=[[2, 64]] if quick else [[32, 1024], [8, 4096]],
                 decode_batches=[1, 2] if quick else [1, 64, 8],  # batch 8 runs last on each side
                 prompt=16 if quick else 512, new_tokens=8 if quick else 256, continuation=32 if not quick else 8,
@@ -215,11 +220,14 @@ def run_jax(spec, preset_name, phases: Phases):
     from zaya_jax.checkpoint.hf import to_hf
     from zaya_jax.inference.decoder import Decoder
     from zaya_jax.inference.generate import _decode_loop, generate_padded
+    from zaya_jax.inference.kernels import PROGRAMS, kernel_overrides
     from zaya_jax.inference.scoring import Scorer
     from zaya_jax.param_count import abstract_param_counts
 
     device = jax.devices()[0]
-    phases.data["info"] = {"jax": jax.__version__, "device": device.device_kind, "platform": device.platform}
+    kernels = spec.get("kernels", "auto")
+    phases.data["info"] = {"jax": jax.__version__, "device": device.device_kind, "platform": device.platform,
+                           "kernels": kernels, "impls": {p: kernel_overrides(kernels, p) for p in PROGRAMS}}
     print(f"[jax] jax {jax.__version__} on {device.platform}: {device.device_kind}", flush=True)
     state = {}
 
@@ -253,9 +261,10 @@ def run_jax(spec, preset_name, phases: Phases):
     cfg = model.cfg
     counts = phases.data["init"]["param_counts"]
     deadline = phases.deadline
-    decoder = Decoder(model)
+    decoder = Decoder(model, kernels=kernels)
     decoder.bind(_decode_loop, static_argnames=("sampling", "max_new_tokens"), donate_argnums=1)  # as generate
-    scorers = {f"{b}x{n}": Scorer(model, max_length=n, batch_size=b, buckets=(n,)) for b, n in spec["scoring"]}
+    scorers = {f"{b}x{n}": Scorer(model, max_length=n, batch_size=b, buckets=(n,), kernels=kernels)
+               for b, n in spec["scoring"]}
     phases.compile_record = {}
     try:
         warm = start_compiles(spec, scorers, decoder, phases)  # compiles while the weights are written
@@ -526,6 +535,8 @@ def main(argv=None):
     ap.add_argument("--model-dir", default=None, help="where the HF weights go (default a temporary directory, "
                                                       "removed at the end); an existing one is reused")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (a CPU check of the script)")
+    ap.add_argument("--kernels", choices=["auto", "xla"], default="auto",
+                    help="our implementations: auto = the platform's fast kernels (Pallas on GPU), xla = XLA's")
     ap.add_argument("--phase", choices=["jax"], help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -548,8 +559,9 @@ def main(argv=None):
                 jax_deadline=t0 + args.time_budget - hf_reserve - 15, hf_deadline=t0 + args.time_budget - 10)
     spec_path = os.path.join(work, "spec.json")
     write_json(spec_path, spec)
-    result = dict(preset=args.preset, status="running", started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
-                  time_budget_s=args.time_budget, hf_reserve_s=hf_reserve, work_dir=work,
+    result = dict(preset=args.preset, kernels=args.kernels, status="running",
+                  started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)), time_budget_s=args.time_budget,
+                  hf_reserve_s=hf_reserve, work_dir=work,
                   work_free_gb=round(shutil.disk_usage(work).free / 1e9, 1),
                   spec={k: v for k, v in spec.items() if k not in ("jax_out", "hf_out", "work")},
                   children={}, summary={}, ratios={}, greedy_equality={}, scoring_agreement={}, ours={}, hf={})

@@ -24,6 +24,8 @@ def main(argv=None):
                     "an HF directory's own, else the run's recorded one)")
     ap.add_argument("--step", type=int, default=None)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--kernels", choices=["auto", "xla"], default="auto", help="auto: the platform's fast kernels "
+                    "(Pallas on GPU), xla: the XLA implementations (zaya_jax/inference/kernels.py)")
     ap.add_argument("--max-length", type=int, default=2048, help="longest scored/generated sequence")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--max-gen-toks", type=int, default=256)
@@ -42,7 +44,7 @@ def main(argv=None):
     from zaya_jax.inference.lm_eval_adapter import ZayaLM
 
     lm = ZayaLM.from_checkpoint(args.checkpoint, tokenizer=args.tokenizer, dtype=args.dtype, step=args.step,
-                                max_length=args.max_length, batch_size=args.batch_size,
+                                kernels=args.kernels, max_length=args.max_length, batch_size=args.batch_size,
                                 max_gen_toks=args.max_gen_toks, seed=args.seed)
     out = lm_eval.simple_evaluate(model=lm, tasks=args.tasks.split(","), num_fewshot=args.num_fewshot,
                                   limit=args.limit, task_manager=TaskManager(include_path=args.include_path),

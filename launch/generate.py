@@ -31,6 +31,8 @@ def main(argv=None):
                     "the checkpoint folder for HF directories, else the run's recorded tokenizer, DIR/run.json)")
     ap.add_argument("--step", type=int, default=None, help="Orbax checkpoint step (default: latest)")
     ap.add_argument("--dtype", default="float32", help="compute dtype: float32 | bfloat16")
+    ap.add_argument("--kernels", choices=["auto", "xla"], default="auto", help="auto: the platform's fast kernels "
+                    "(Pallas on GPU), xla: the XLA implementations (zaya_jax/inference/kernels.py)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--top-k", type=int, default=0)
@@ -46,8 +48,8 @@ def main(argv=None):
     except ValueError as e:  # sampling values, --step of an HF directory (user_errors reports checkpoint errors)
         raise UsageError(str(e)) from e
     tokenizer = load_tokenizer(args.tokenizer or default_tokenizer(args.checkpoint))
-    texts = complete(Decoder(model), tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                     key=jax.random.key(args.seed), stop_tokens=args.stop_token)
+    texts = complete(Decoder(model, kernels=args.kernels), tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
+                     sampling=sampling, key=jax.random.key(args.seed), stop_tokens=args.stop_token)
     for prompt, text in zip(args.prompt, texts):
         print(f"{prompt}{text}")
     return texts

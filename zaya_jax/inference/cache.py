@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from zaya_jax.model.cca import CCAState
 from zaya_jax.model.zaya import ZayaForCausalLM
-from zaya_jax.ops.attention import attention_reference
+from zaya_jax.ops import attention as attention_ops
 
 
 @dataclasses.dataclass
@@ -68,10 +68,12 @@ def chunk_positions(cache: DecodeCache, token_mask):
     return jnp.where(token_mask, counted, 0)
 
 
-def cached_attention(cache: DecodeCache, token_mask):
+def cached_attention(cache: DecodeCache, token_mask, impl: str = "xla"):
     """attend(kv_l, q, k, v, window) for ZayaModel.forward_with_layer_state: writes the chunk's K/V at slots
     [index, index + T) of one layer's cache and attends over every slot written so far (causal in slot order,
-    pads masked, sliding windows counted in slots as HF counts cache positions)."""
+    pads masked, sliding windows counted in slots as HF counts cache positions). impl: the model's
+    attention_impl; 'cudnn' runs 'xla' here (its fused path takes no per-slot positions, see ops/attention.py)."""
+    impl = "xla" if impl == "cudnn" else impl
     T = token_mask.shape[1]
     S = cache.max_length
     index = cache.index
@@ -83,8 +85,8 @@ def cached_attention(cache: DecodeCache, token_mask):
         start = (0, index, 0, 0)
         k_all = jax.lax.dynamic_update_slice(kv_l.k, k.astype(kv_l.k.dtype), start)
         v_all = jax.lax.dynamic_update_slice(kv_l.v, v.astype(kv_l.v.dtype), start)
-        o = attention_reference(q, k_all.astype(q.dtype), v_all.astype(q.dtype), q_positions=q_slots,
-                                kv_positions=kv_slots, kv_valid=kv_valid, sliding_window=sliding_window)
+        o = attention_ops.attention(q, k_all.astype(q.dtype), v_all.astype(q.dtype), impl=impl, q_positions=q_slots,
+                                    kv_positions=kv_slots, kv_valid=kv_valid, sliding_window=sliding_window)
         return o, KVCache(k_all, v_all)
 
     return attend, kv_valid

@@ -24,6 +24,7 @@ from zaya_jax.inference.cache import (
     chunk_positions,
     init_cache,
 )
+from zaya_jax.inference.kernels import with_kernels
 from zaya_jax.model.zaya import ZayaForCausalLM
 
 
@@ -35,7 +36,7 @@ def extend(model: ZayaForCausalLM, cache: DecodeCache, input_ids, token_mask=Non
     all_real = token_mask is None
     token_mask = jnp.ones((B, T), bool) if all_real else token_mask.astype(bool)
     positions = chunk_positions(cache, token_mask)
-    attend, kv_valid = cached_attention(cache, token_mask)
+    attend, kv_valid = cached_attention(cache, token_mask, model.cfg.attention_impl)
     # HF zeroes padded tokens before the CCA projections only for multi-token chunks with padding
     conv_mask = None if all_real or T == 1 else token_mask
     y, cca, kv = model.model.forward_with_layer_state(input_ids, positions=positions, cca_state=cache.cca,
@@ -48,22 +49,28 @@ def extend(model: ZayaForCausalLM, cache: DecodeCache, input_ids, token_mask=Non
 
 
 class Decoder:
-    """Jitted prefill/step for one model; the parameters are arguments (not constants) of every compiled call."""
+    """Jitted prefill/step for one model; the parameters are arguments (not constants) of every compiled call.
 
-    def __init__(self, model: ZayaForCausalLM):
+    kernels: None (the model's impls), 'auto', 'xla' or 'gpu' (inference/kernels.py): prefill compiles with the
+    'prefill' choice (graphdef), single-token steps and bound loops with the 'decode' one (step_graphdef); both
+    read the same parameters (state)."""
+
+    def __init__(self, model: ZayaForCausalLM, *, kernels: str | None = None):
         self.cfg = model.cfg
-        self.graphdef, self.state = nnx.split(model)
+        self.graphdef, self.state = nnx.split(with_kernels(model, kernels, "prefill"))
+        self.step_graphdef = nnx.split(with_kernels(model, kernels, "decode"))[0]
         self._prefill = jax.jit(functools.partial(_prefill, self.graphdef), donate_argnums=1,
                                 static_argnames="all_logits")
-        self._step = jax.jit(functools.partial(_step, self.graphdef), donate_argnums=1)
+        self._step = jax.jit(functools.partial(_step, self.step_graphdef), donate_argnums=1)
         self._init = jax.jit(functools.partial(_init, self.graphdef), static_argnums=(1, 2))
         self._bound = {}
 
     def bind(self, fn, **jit_options):
-        """jax.jit(fn with this model's graphdef as first argument), compiled once per decoder: fn(graphdef, state,
-        ...) builds the model inside the trace (the graphdef holds the config, which is not hashable)."""
+        """jax.jit(fn with this model's decode graphdef as first argument), compiled once per decoder: fn(graphdef,
+        state, ...) builds the model inside the trace (the graphdef holds the config, which is not hashable) and
+        runs single-token steps (the generation loop)."""
         if fn not in self._bound:
-            self._bound[fn] = jax.jit(functools.partial(fn, self.graphdef), **jit_options)
+            self._bound[fn] = jax.jit(functools.partial(fn, self.step_graphdef), **jit_options)
         return self._bound[fn]
 
     def init_cache(self, batch: int, max_length: int) -> DecodeCache:

@@ -29,7 +29,8 @@ from zaya_jax.model.zaya import ZayaForCausalLM
 @register_model("zaya")
 class ZayaLM(LM):
     def __init__(self, model: ZayaForCausalLM, tokenizer: Tokenizer, *, max_length: int = 2048,
-                 batch_size: int = 8, max_gen_toks: int = 256, seed: int = 0):
+                 batch_size: int = 8, max_gen_toks: int = 256, seed: int = 0, kernels: str | None = None):
+        """kernels: the scorer's and decoder's implementations (inference/kernels.py; None: the model's own)."""
         super().__init__()
         if tokenizer.vocab_size > model.cfg.vocab_size:
             raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids, the model only {model.cfg.vocab_size}")
@@ -40,24 +41,27 @@ class ZayaLM(LM):
         if prefix is None:
             raise ValueError("the tokenizer has neither a BOS nor an EOS token to start a context with")
         self.prefix_token = prefix
-        self.scorer = Scorer(model, max_length=max_length, batch_size=batch_size, pad_id=self.pad_id)
-        self.decoder = Decoder(model)
+        self.scorer = Scorer(model, max_length=max_length, batch_size=batch_size, pad_id=self.pad_id,
+                             kernels=kernels)
+        self.decoder = Decoder(model, kernels=kernels)
         self._key = jax.random.key(seed)
 
     @classmethod
     def from_checkpoint(cls, checkpoint: str, *, tokenizer: str | None = None, dtype: str = "float32",
-                        step: int | None = None, **kwargs) -> ZayaLM:
+                        step: int | None = None, kernels: str = "auto", **kwargs) -> ZayaLM:
         """tokenizer: 'byte', a tokenizer.json or a folder holding one; default: the checkpoint folder when it is a
-        Hugging Face directory, else the one the run recorded (DIR/run.json)."""
+        Hugging Face directory, else the one the run recorded (DIR/run.json). kernels: 'auto' (the platform's fast
+        kernels), 'xla' or 'gpu' (inference/kernels.py)."""
         if tokenizer is None:
             from zaya_jax.train.run_record import default_tokenizer
             tokenizer = default_tokenizer(checkpoint)
-        return cls(load_model(checkpoint, dtype=dtype, step=step), load_tokenizer(tokenizer), **kwargs)
+        return cls(load_model(checkpoint, dtype=dtype, step=step), load_tokenizer(tokenizer), kernels=kernels,
+                   **kwargs)
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> ZayaLM:
         """lm_eval's model_args: checkpoint=PATH[,tokenizer=...][,dtype=...][,step=N][,max_length=N][,batch_size=N]
-        [,max_gen_toks=N][,seed=N]."""
+        [,max_gen_toks=N][,seed=N][,kernels=auto|xla|gpu]."""
         from lm_eval.utils import simple_parse_args_string
 
         args = simple_parse_args_string(arg_string)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from zaya_jax.inference.kernels import with_kernels
 from zaya_jax.model.zaya import ZayaForCausalLM
 
 
@@ -76,12 +77,13 @@ def _score_rows(graphdef, state, inputs, targets, weights):
 
 class Scorer:
     def __init__(self, model: ZayaForCausalLM, *, max_length: int = 2048, batch_size: int = 8,
-                 buckets: Sequence[int] | None = None, pad_id: int = 0):
+                 buckets: Sequence[int] | None = None, pad_id: int = 0, kernels: str | None = None):
+        """kernels: None (the model's impls), 'auto', 'xla' or 'gpu' (inference/kernels.py, program 'scoring')."""
         self.max_length, self.batch_size, self.pad_id = max_length, batch_size, pad_id
         self.buckets = tuple(sorted(buckets)) if buckets else default_buckets(max_length)
         if self.buckets[-1] < max_length:
             raise ValueError(f"the largest bucket {self.buckets[-1]} is shorter than max_length {max_length}")
-        self.graphdef, self.state = nnx.split(model)
+        self.graphdef, self.state = nnx.split(with_kernels(model, kernels, "scoring"))
         self._score = jax.jit(lambda state, *rows: _score_rows(self.graphdef, state, *rows))
 
     def loglikelihood(self, requests: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[tuple[float, bool]]:

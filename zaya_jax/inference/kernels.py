@@ -1,0 +1,70 @@
+"""Which kernel implementations the inference programs run: ModelConfig overrides per program and platform.
+
+Programs (each compiled with its own static config; the parameters are shared):
+  'scoring'  Scorer: whole right-padded rows, positions 0..T-1, no mask (ops dispatch on the model's impls).
+  'prefill'  Decoder prefill: a chunk of left-padded prompts over the cache (slot positions, kv_valid).
+  'decode'   Decoder step / generation loop: one token per row over the cache.
+
+kernels (the `kernels=` option of Scorer, Decoder, ZayaLM and the launch scripts):
+  None     the model's own config, unchanged.
+  'xla'    the ModelConfig defaults: XLA attention ([B, H, T, S] scores), lax.ragged_dot experts, XLA norms/convs.
+  'gpu'    the Pallas (Triton) kernels training runs on GPU (attention, grouped-GEMM experts, norms, CCA convs), in
+           every program: they take the cache's slot positions and kv_valid and any token count, one-token decode
+           batches included. Except decode attention, which stays XLA: one query per row, which the flash kernel
+           would pad to a 16-row query tile and whose grid reads a KV head's cache once per query head, where
+           XLA's batched dot reads it once. On the CPU the Pallas kernels run in interpret mode (tests).
+  'auto'   'gpu' on a GPU backend, 'xla' elsewhere (Pallas has no CPU or TPU lowering here).
+cuDNN attention is never chosen: jax's cuDNN path takes no traced sliding window (scanned mixed layer types) and
+the cache programs would need a dense [B, T, S] mask.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from zaya_jax.config import ModelConfig
+
+KERNELS = ("auto", "xla", "gpu")
+PROGRAMS = ("scoring", "prefill", "decode")
+
+XLA = dict(attention_impl="xla", moe_impl="ragged", norm_impl="xla", conv_impl="xla")
+GPU = dict(attention_impl="pallas", moe_impl="pallas", norm_impl="pallas", conv_impl="pallas")
+
+
+def inference_kernels(platform: str, program: str = "scoring") -> dict:
+    """ModelConfig overrides for `program` on `platform` (jax.default_backend() names: 'gpu', 'cuda', 'rocm' get
+    the Pallas kernels, anything else the XLA defaults)."""
+    if program not in PROGRAMS:
+        raise ValueError(f"unknown inference program {program!r}; known: {PROGRAMS}")
+    if platform not in ("gpu", "cuda", "rocm"):
+        return dict(XLA)
+    return dict(GPU, attention_impl="xla") if program == "decode" else dict(GPU)
+
+
+def kernel_overrides(kernels: str | None, program: str) -> dict:
+    """The overrides that `kernels` (None, 'auto', 'xla' or 'gpu') means for `program` here."""
+    if kernels is None:
+        return {}
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels {kernels!r} unknown; use one of {KERNELS} (or None: the model's config)")
+    platform = {"auto": jax.default_backend(), "xla": "cpu", "gpu": "gpu"}[kernels]
+    return inference_kernels(platform, program)
+
+
+def with_config(model, cfg: ModelConfig):
+    """The same model (its parameter arrays shared, not copied) with `cfg` in every module that holds one."""
+    if cfg == model.cfg:
+        return model
+    graphdef, state = nnx.split(model)
+    clone = nnx.merge(graphdef, state)
+    for _, module in nnx.iter_modules(clone):
+        if isinstance(getattr(module, "cfg", None), ModelConfig):
+            module.cfg = cfg
+    return clone
+
+
+def with_kernels(model, kernels: str | None, program: str):
+    """`model` running `program` with the implementations `kernels` picks (see the module docstring)."""
+    overrides = kernel_overrides(kernels, program)
+    return with_config(model, model.cfg.replace(**overrides)) if overrides else model
