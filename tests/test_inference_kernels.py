@@ -1,8 +1,8 @@
 """The GPU kernel choice of the inference programs (zaya_jax/inference/kernels.py), forced on the CPU (Pallas in
 interpret mode), gives what the XLA implementations give: Scorer log-probabilities, the Decoder's prefill logits
 over left-padded prompts, its one-token steps over the cache and greedy generation. Each program's traced graph is
-checked to contain the Pallas kernel of every impl the choice sets to 'pallas', so a kernel that cannot take the
-program's shapes (one-token decode batches, cache slot positions, kv_valid) fails here."""
+checked to contain the Pallas kernel of every impl the choice sets to 'pallas' and no other, so a kernel that cannot
+take the program's shapes (cache slot positions, kv_valid) or a choice that does not reach the model fails here."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def test_choice_per_platform_and_program(model):
         assert kernel_overrides(None, program) == {}
         assert set(inference_kernels("gpu", program)) == set(GPU)
     assert inference_kernels("gpu", "scoring") == GPU
-    assert inference_kernels("gpu", "decode")["attention_impl"] == "xla"
+    assert inference_kernels("gpu", "prefill") == GPU and inference_kernels("gpu", "decode") == XLA
     with pytest.raises(ValueError):
         kernel_overrides("cudnn", "scoring")
     with pytest.raises(ValueError):

@@ -8,11 +8,11 @@ Programs (each compiled with its own static config; the parameters are shared):
 kernels (the `kernels=` option of Scorer, Decoder, ZayaLM and the launch scripts):
   None     the model's own config, unchanged.
   'xla'    the ModelConfig defaults: XLA attention ([B, H, T, S] scores), lax.ragged_dot experts, XLA norms/convs.
-  'gpu'    the Pallas (Triton) kernels training runs on GPU (attention, grouped-GEMM experts, norms, CCA convs), in
-           every program: they take the cache's slot positions and kv_valid and any token count, one-token decode
-           batches included. Except decode attention, which stays XLA: one query per row, which the flash kernel
-           would pad to a 16-row query tile and whose grid reads a KV head's cache once per query head, where
-           XLA's batched dot reads it once. On the CPU the Pallas kernels run in interpret mode (tests).
+  'gpu'    the Pallas (Triton) kernels training runs on GPU (attention, grouped-GEMM experts, norms, CCA convs) for
+           scoring and prefill, whose token counts are the training step's. Decode keeps the XLA defaults: its
+           few tokens per step are memory-bound, the flash kernel would pad one query per row to a 16-row tile and
+           the grouped GEMM each expert's rows to a tile, and the XLA decode is the configuration measured against
+           HF (benchmarks/bench_inference.py). On the CPU the Pallas kernels run in interpret mode (tests).
   'auto'   'gpu' on a GPU backend, 'xla' elsewhere (Pallas has no CPU or TPU lowering here).
 cuDNN attention is never chosen: jax's cuDNN path takes no traced sliding window (scanned mixed layer types) and
 the cache programs would need a dense [B, T, S] mask.
@@ -39,7 +39,7 @@ def inference_kernels(platform: str, program: str = "scoring") -> dict:
         raise ValueError(f"unknown inference program {program!r}; known: {PROGRAMS}")
     if platform not in ("gpu", "cuda", "rocm"):
         return dict(XLA)
-    return dict(GPU, attention_impl="xla") if program == "decode" else dict(GPU)
+    return dict(XLA) if program == "decode" else dict(GPU)
 
 
 def kernel_overrides(kernels: str | None, program: str) -> dict:
