@@ -129,6 +129,19 @@ def test_a_microbatch_that_does_not_split_over_the_devices_is_refused_before_a_m
         loop.run(c, str(tmp_path), log=lambda *_: None)
 
 
+def test_a_one_layer_model_is_refused_before_a_model_is_built(tmp_path, monkeypatch):
+    """Its empty inter-layer router scales ([0, R]) cannot be checkpointed: the run used to fail at its first save."""
+    def built(*_, **__):
+        raise AssertionError("a model was built")
+
+    monkeypatch.setattr(program, "graphdef_of", built)
+    monkeypatch.setattr(program, "state_creator", built)
+    c = get_config()
+    c.model.overrides.num_hidden_layers = 1
+    with pytest.raises(TrainConfigError, match=r"^model num_hidden_layers=1: training needs at least 2 layers"):
+        loop.run(c, str(tmp_path), log=lambda *_: None)
+
+
 def test_deferred_expert_gradients_are_resolved_in_one_place():
     c = get_config()
     c.train.update(dict(global_batch_tokens=4 * 128 * 16))  # 4 microbatches

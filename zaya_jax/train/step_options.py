@@ -15,13 +15,18 @@ from zaya_jax.train.options import RunOptions
 
 
 def check_on_mesh(opts: RunOptions, model: ModelConfig, mesh, micro_rows: int) -> None:
-    """Refuses what cannot run on `mesh`: cuDNN attention on several devices, a microbatch that does not split
-    over the data axis, a model context parallelism cannot run exactly."""
+    """Refuses what cannot run on `mesh`: cuDNN attention on several devices, a one-layer model, a microbatch that
+    does not split over the data axis, a model context parallelism cannot run exactly."""
     if model.attention_impl == "cudnn" and mesh.devices.size > 1:
         # cuDNN's custom call needs one mesh for the whole program, but the per-device gradients run on the
         # hierarchical (node, data_local) view of it: JAX refuses the mix at lowering
         raise TrainConfigError("model attention_impl='cudnn' runs on one device only; on several devices use "
                                "attention_impl='pallas' (the portable flash kernel) or 'xla'")
+    if model.num_hidden_layers < 2:
+        # its inter-layer router scales are an empty [0, R] parameter: Orbax refuses to save an empty array (the
+        # run would fail at its first checkpoint) and XLA does not compile collectives over one
+        raise TrainConfigError(f"model num_hidden_layers={model.num_hidden_layers}: training needs at least 2 "
+                               "layers (a one-layer model can be loaded and run for inference, not trained)")
     if micro_rows % mesh.shape["data"]:
         raise TrainConfigError(f"microbatch of {micro_rows} sequences does not split over data={mesh.shape['data']} "
                                f"(train.microbatch_tokens={opts.train.microbatch_tokens}, "
