@@ -36,9 +36,11 @@ class Phases:
         self.hanging = {s.strip() for s in os.environ.get(HANG_ENV, "").split(",") if s.strip()}
         self.save()
         # the driver stops this process at its deadline; should the driver itself be gone, the process ends itself
-        watchdog = threading.Timer(max(0.0, deadline - time.time()) + WATCHDOG_GRACE_S, os._exit, args=(3,))
-        watchdog.daemon = True
-        watchdog.start()
+        wait = max(0.0, deadline - time.time()) + WATCHDOG_GRACE_S
+        if wait < threading.TIMEOUT_MAX:  # a deadline too far to wait for (tests) needs no watchdog
+            watchdog = threading.Timer(wait, os._exit, args=(3,))
+            watchdog.daemon = True
+            watchdog.start()
 
     def left(self) -> float:
         return self.deadline - time.time()
