@@ -93,8 +93,7 @@ def test_kernels_without_an_hlo_op_are_classified_by_name():
 
 @pytest.fixture(scope="module")
 def profiled(tmp_path_factory):
-    # two layers: with one, router_states_scale is empty ([L - 1, ...] = [0, ...]) and the trainer's data-parallel
-    # program does not compile on 2 devices (reduce-scattering that empty gradient in shard_map fails to lower)
+    # two layers: the trainer refuses one (its router_states_scale [L - 1, ...] would be empty)
     bc = breakdown.BreakdownConfig(preset="tiny", overrides=(("num_hidden_layers", 2),), seq_len=32, rows=4, steps=1,
                                    devices=2, prefetch=0, fast_cpu_compile=True)
     out = tmp_path_factory.mktemp("breakdown")
@@ -108,7 +107,8 @@ def test_profiled_cpu_step_is_split_into_categories(profiled):
         assert t[cat] > 0, cat
     assert sum(result["share"].values()) == pytest.approx(1.0)
     assert result["unmatched_ops"] == 0 and result["module"].startswith("jit_")
-    assert any(o["category"] == "communication" and "all-reduce" in o["op"] for o in result["top_ops"])
+    collectives = ("all-reduce", "reduce-scatter", "all-gather")  # the trainer's ZeRO-1 step uses all three
+    assert any(o["category"] == "communication" and any(c in o["op"] for c in collectives) for o in result["top_ops"])
     known = sum(t[c] for c in ("attention", "experts", "router", "norms", "embed_head_loss", "optimizer"))
     assert t["other"] < 0.25 * known  # nearly every op is attributed to a part of the model or optimizer
     assert (out / "breakdown.json").exists() and (out / "breakdown.png").stat().st_size > 1000
