@@ -572,22 +572,15 @@ def main(argv=None):
                 result[side] = json.load(open(path))
             except (OSError, ValueError):
                 pass
-        try:
-            result["greedy_equality"] = greedy_equality(spec)
-        except Exception as e:
-            result["greedy_equality"] = {"error": f"{type(e).__name__}: {e}"}
-        try:
-            result["summary"] = summary(result["ours"], result["hf"])
-        except Exception as e:
-            result["summary"] = {"error": f"{type(e).__name__}: {e}"}
-        try:
-            result["scoring_agreement"] = scoring_agreement(result["ours"], result["hf"])
-        except Exception as e:
-            result["scoring_agreement"] = {"error": f"{type(e).__name__}: {e}"}
-        try:
-            result["ratios"] = ratios(result["ours"], result["hf"])
-        except Exception as e:
-            result["ratios"] = {"error": f"{type(e).__name__}: {e}"}
+        derived = dict(greedy_equality=lambda: greedy_equality(spec),
+                       summary=lambda: summary(result["ours"], result["hf"]),
+                       scoring_agreement=lambda: scoring_agreement(result["ours"], result["hf"]),
+                       ratios=lambda: ratios(result["ours"], result["hf"]))
+        for key, derive in derived.items():  # partial results: whatever cannot be derived yet says why
+            try:
+                result[key] = derive()
+            except Exception as e:
+                result[key] = {"error": f"{type(e).__name__}: {e}"}
         result["elapsed_s"] = round(time.time() - t0, 1)
         write_json(out_path, result)
 
