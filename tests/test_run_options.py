@@ -116,12 +116,18 @@ def test_shipped_and_benchmark_configs_pass():
         run_options(runpy.run_path(path)["get_config"]())
 
 
-def test_a_microbatch_that_does_not_split_over_the_devices_is_refused_before_a_model_is_built(tmp_path, monkeypatch):
+@pytest.fixture
+def no_model_built(monkeypatch):
+    """Building the model or its state fails the test: a refusal must come before either."""
     def built(*_, **__):
         raise AssertionError("a model was built")
 
     monkeypatch.setattr(program, "graphdef_of", built)
     monkeypatch.setattr(program, "state_creator", built)
+
+
+def test_a_microbatch_that_does_not_split_over_the_devices_is_refused_before_a_model_is_built(tmp_path,
+                                                                                              no_model_built):
     c = get_config()
     c.train.update(dict(global_batch_tokens=6 * 128, microbatch_tokens=6 * 128))
     c.mesh.num_devices = 4
@@ -129,13 +135,8 @@ def test_a_microbatch_that_does_not_split_over_the_devices_is_refused_before_a_m
         loop.run(c, str(tmp_path), log=lambda *_: None)
 
 
-def test_a_one_layer_model_is_refused_before_a_model_is_built(tmp_path, monkeypatch):
+def test_a_one_layer_model_is_refused_before_a_model_is_built(tmp_path, no_model_built):
     """Its empty inter-layer router scales ([0, R]) cannot be checkpointed: the run used to fail at its first save."""
-    def built(*_, **__):
-        raise AssertionError("a model was built")
-
-    monkeypatch.setattr(program, "graphdef_of", built)
-    monkeypatch.setattr(program, "state_creator", built)
     c = get_config()
     c.model.overrides.num_hidden_layers = 1
     with pytest.raises(TrainConfigError, match=r"^model num_hidden_layers=1: training needs at least 2 layers"):

@@ -87,7 +87,7 @@ class Setup:
 def setup(config: ConfigDict, *, log=print) -> Setup:
     """The data sources (checked first: they cost nothing to check) and the train program (train/program.py).
     The config's groups are typed and checked once, by make_plan (train/options.py)."""
-    plan = make_plan(config)  # the config's groups typed and checked (train/options.py)
+    plan = make_plan(config)
     cfg, data = plan.model, plan.options.data
     if data.training_source_names() is None:
         raise TrainConfigError("data.builtin is False and data.sources is empty: name indexed-dataset prefixes, "
