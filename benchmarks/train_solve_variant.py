@@ -11,10 +11,10 @@ import sys
 
 from zaya_jax.model import routing_stats
 
-for name, kind in (("SOLVE_ROUNDS", int), ("SOLVE_TOKENS", int), ("SOLVE_DAMPING", float)):
+for name, kind in (("SOLVE_ROUNDS", int), ("SOLVE_TOKENS", int), ("SOLVE_DAMPING", float), ("SOLVE_MOMENTUM", float)):
     if name in os.environ:
         setattr(routing_stats, name, kind(os.environ[name]))
 print(f"solve: rounds {routing_stats.SOLVE_ROUNDS}, tokens {routing_stats.SOLVE_TOKENS}, "
-      f"damping {routing_stats.SOLVE_DAMPING}", flush=True)
+      f"damping {routing_stats.SOLVE_DAMPING}, momentum {routing_stats.SOLVE_MOMENTUM}", flush=True)
 sys.argv[0] = "launch.train"
 runpy.run_module("launch.train", run_name="__main__")

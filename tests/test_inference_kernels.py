@@ -60,13 +60,14 @@ def assert_runs_chosen_kernels(fn, program, *args):
 
 def test_choice_per_platform_and_program(model):
     for program in PROGRAMS:
-        assert inference_kernels("cpu", program) == XLA
-        assert kernel_overrides("xla", program) == XLA
-        assert kernel_overrides("auto", program) == XLA  # these tests run on the CPU
+        want = dict(XLA, moe_impl="decode") if program == "decode" else XLA
+        assert inference_kernels("cpu", program) == want
+        assert kernel_overrides("xla", program) == want
+        assert kernel_overrides("auto", program) == want  # these tests run on the CPU
         assert kernel_overrides(None, program) == {}
         assert set(inference_kernels("gpu", program)) == set(GPU)
     assert inference_kernels("gpu", "scoring") == GPU
-    assert inference_kernels("gpu", "prefill") == GPU and inference_kernels("gpu", "decode") == XLA
+    assert inference_kernels("gpu", "prefill") == GPU and inference_kernels("gpu", "decode") == dict(XLA, moe_impl="decode")
     with pytest.raises(ValueError):
         kernel_overrides("cudnn", "scoring")
     with pytest.raises(ValueError):
@@ -101,7 +102,7 @@ def test_decoder_gpu_kernels_match_xla(model):
     for row, n in enumerate((0, 4, 9)):  # left padding
         prompt[row, :n], mask[row, :n] = CFG.pad_token_id, 0
     tokens = rng.integers(1, CFG.vocab_size, (B, steps)).astype(np.int32)
-    fast, ref = Decoder(model, kernels="gpu"), Decoder(model, kernels="xla")
+    fast, ref = Decoder(model, kernels="gpu"), Decoder(model, kernels=None)  # ref: the model's own (ragged) experts
     cache = fast.init_cache(B, T + steps)
     assert_runs_chosen_kernels(lambda s, c, i, m: fast._prefill(s, c, i, m, all_logits=True), "prefill",
                                fast.state, cache, jnp.asarray(prompt), jnp.asarray(mask, bool))

@@ -273,8 +273,32 @@ def test_tiny_model_pallas_matches_ragged():
     assert expert_grads and all(float(jnp.abs(g).max()) > 0 for g in expert_grads)
 
 
+@pytest.mark.parametrize("n", [4, 24], ids=["per_token", "dense"])
+def test_decode_experts_match_the_reference(n):
+    """moe_impl 'decode': at most E / 2 tokens gather their own expert's weights, more run every expert on every
+    token; neither traces a grouped GEMM. Skip tokens give zeros; values and gradients as the dense reference's."""
+    from zaya_jax.model.experts import expert_block
+    rng, seed = rng_and_seed()
+    E, D, I = 8, 48, 40
+    x, w_gu, w_down = (normal(rng, shape, jnp.float32) for shape in ((n, D), (E, 2 * I, D), (E, D, I)))
+    index = jnp.asarray(rng.integers(0, E + 1, n), jnp.int32).at[0].set(E)  # one skip token at least
+    weight = jnp.asarray(rng.uniform(0.2, 1.0, n), jnp.float32)
+
+    def out(impl):
+        return lambda x, a, b: expert_block(x, index, weight, a, b, jax.nn.silu, impl=impl)
+
+    text = jax.jit(out("decode")).lower(x, w_gu, w_down).as_text()
+    assert "ragged_dot" not in text and ("gather" in text) == (n <= E // 2)
+    got, pull = jax.vjp(out("decode"), x, w_gu, w_down)
+    want, pull_ref = jax.vjp(out("ragged"), x, w_gu, w_down)
+    assert float(jnp.abs(got[0]).max()) == 0.0
+    dy = normal(rng, got.shape, jnp.float32)
+    for name, a, b in zip(("y", "dx", "dw_gu", "dw_down"), (got, *pull(dy)), (want, *pull_ref(dy))):
+        assert rel(a, b) <= 1e-5, f"{name}: rel err {rel(a, b):.2e}, seed {seed}"
+
+
 def test_config_accepts_pallas_and_rejects_unknown_moe_impl():
-    assert zc.tiny(moe_impl="pallas").moe_impl == "pallas"
+    assert zc.tiny(moe_impl="pallas").moe_impl == "pallas" and zc.tiny(moe_impl="decode").moe_impl == "decode"
     with pytest.raises(zc.ConfigError, match="moe_impl"):
         zc.tiny(moe_impl="megablocks")
 

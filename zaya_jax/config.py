@@ -64,7 +64,7 @@ class ModelConfig:
     ce_impl: str = "xla"  # 'xla' | 'pallas': softmax cross-entropy of the chunked head loss (ops/cross_entropy.py)
     conv_impl: str = "xla"  # 'xla' | 'pallas': CCA's q/k mixing, both convolutions + mean residuals (ops/cca_conv.py)
     moe_impl: str = "ragged"  # 'ragged' (sort + lax.ragged_dot) | 'pallas' (tile-padded grouped GEMM kernels)
-    #                           | 'dense' (reference: every expert on every token)
+    #                           | 'dense' (reference: every expert on every token) | 'decode' (few tokens, experts.py)
     remat: str = "full"  # 'none' | 'full' | 'save_dots' | 'save_attention'  (activation checkpoint policy)
     scan_layers: bool = True
 
@@ -120,7 +120,7 @@ class ModelConfig:
         need(self.norm_impl in ("xla", "pallas"), f"norm_impl {self.norm_impl!r} unknown")
         need(self.ce_impl in ("xla", "pallas"), f"ce_impl {self.ce_impl!r} unknown")
         need(self.conv_impl in ("xla", "pallas"), f"conv_impl {self.conv_impl!r} unknown")
-        need(self.moe_impl in ("ragged", "pallas", "dense"), f"moe_impl {self.moe_impl!r} unknown")
+        need(self.moe_impl in ("ragged", "pallas", "dense", "decode"), f"moe_impl {self.moe_impl!r} unknown")
         need(self.remat in ("none", "full", "save_dots", "save_attention"), f"remat {self.remat!r} unknown")
         if self.vocab_size % 64:
             warnings.warn(f"vocab_size {self.vocab_size} is not a multiple of 64; GEMMs over the vocabulary run "

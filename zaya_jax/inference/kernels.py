@@ -9,10 +9,12 @@ kernels (the `kernels=` option of Scorer, Decoder, ZayaLM and the launch scripts
   None     the model's own config, unchanged.
   'xla'    the ModelConfig defaults: XLA attention ([B, H, T, S] scores), lax.ragged_dot experts, XLA norms/convs.
   'gpu'    the Pallas (Triton) kernels training runs on GPU (attention, grouped-GEMM experts, norms, CCA convs) for
-           scoring and prefill, whose token counts are the training step's. Decode keeps the XLA defaults: its
-           few tokens per step are memory-bound, the flash kernel would pad one query per row to a 16-row tile and
-           the grouped GEMM each expert's rows to a tile, and the XLA decode is the configuration measured against
-           HF (benchmarks/bench_inference.py). On the CPU the Pallas kernels run in interpret mode (tests).
+           scoring and prefill, whose token counts are the training step's. Decode keeps XLA's attention, norms and
+           convs: its few tokens per step are memory-bound, and the flash kernel would pad one query per row to a
+           16-row tile. On the CPU the Pallas kernels run in interpret mode (tests).
+Decode's experts are moe_impl 'decode' under every choice but None (model/experts.py: each token's own expert
+weights, or every expert read once, instead of a grouped GEMM whose XLA lowering copies and transposes the layer's
+expert weights every step; benchmarks/profile_decode.py measures where a decode step's time goes).
   'auto'   'gpu' on a GPU backend, 'xla' elsewhere (Pallas has no CPU or TPU lowering here).
 cuDNN attention is never chosen: jax's cuDNN path takes no traced sliding window (scanned mixed layer types) and
 the cache programs would need a dense [B, T, S] mask.
@@ -37,9 +39,9 @@ def inference_kernels(platform: str, program: str = "scoring") -> dict:
     the Pallas kernels, anything else the XLA defaults)."""
     if program not in PROGRAMS:
         raise ValueError(f"unknown inference program {program!r}; known: {PROGRAMS}")
-    if platform not in ("gpu", "cuda", "rocm"):
-        return dict(XLA)
-    return dict(XLA) if program == "decode" else dict(GPU)
+    if program == "decode":
+        return dict(XLA, moe_impl="decode")
+    return dict(GPU) if platform in ("gpu", "cuda", "rocm") else dict(XLA)
 
 
 def kernel_overrides(kernels: str | None, program: str) -> dict:

@@ -4,8 +4,13 @@
 [out, in] weights directly), unsorted by a gather. 'pallas': tokens gathered into a layout where every expert's rows
 fill whole row tiles, two grouped GEMM kernels (pallas_kernels.grouped_matmul; XLA lowers ragged_dot on GPU to a
 dense dot over all experts), gathered back. 'dense': every expert on every token, a one-hot select (the reference
-the tests pin the others against). A token routed to the skip class (index E) gets a zero output, as in the
-Hugging Face reference."""
+the tests pin the others against). 'decode' (a decode step's few tokens): at most E / 2 tokens gather their own
+expert's weights and apply them alone; up to DENSE_DECODE_TOKENS run 'dense', which reads each weight once in its
+stored layout and stays bound by those bytes, not by its E-fold products (H200: about 200 products per byte); more
+run 'ragged'. In a
+decode step the grouped paths cost more than the weights' bytes: XLA copies the layer's slice of the stacked
+weights and transposes the down projection before its grouped GEMM, every step. A token routed to the skip class
+(index E) gets a zero output, as in the Hugging Face reference."""
 
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from zaya_jax.config import ModelConfig
 from zaya_jax.model.base import activation, compute_matmul, dtypes, normal_init
 from zaya_jax.ops import grouped_matmul as gmm
 
+DENSE_DECODE_TOKENS = 256
 _DN = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
                                         rhs_group_dimensions=[0])
 
@@ -54,10 +60,14 @@ def expert_block(x, index, weight, w_gu, w_down, act, *, impl: str, tiling=None)
         out = _pallas(x, index, w_gu, w_down, act, tiling)
     elif isinstance(w_gu, gmm.DeferredWgrad) or isinstance(w_down, gmm.DeferredWgrad):
         raise ValueError(f"deferred expert weight gradients need moe_impl 'pallas' (a tile layout), not {impl!r}")
-    elif impl in ("ragged", "dense"):
-        out = (_ragged if impl == "ragged" else _dense)(x, index, w_gu, w_down, act)
+    elif impl == "decode" and x.shape[0] <= E // 2:
+        out = _per_token(x, jnp.minimum(index, E - 1), w_gu, w_down, act)
+    elif impl == "dense" or impl == "decode" and x.shape[0] <= DENSE_DECODE_TOKENS:
+        out = _dense(x, index, w_gu, w_down, act)
+    elif impl in ("ragged", "decode"):
+        out = _ragged(x, index, w_gu, w_down, act)
     else:
-        raise ValueError(f"moe_impl {impl!r} unknown (use 'ragged', 'pallas' or 'dense')")
+        raise ValueError(f"moe_impl {impl!r} unknown (use 'ragged', 'pallas', 'dense' or 'decode')")
     return jnp.where(skip[:, None], 0, out * weight[:, None])
 
 
@@ -75,6 +85,11 @@ def _ragged(x, index, w_gu, w_down, act):
     h = _swiglu(gu, act)
     out = jax.lax.ragged_dot_general(h, w_down, sizes, _DN, preferred_element_type=x.dtype)
     return out[jnp.argsort(order)]
+
+
+def _per_token(x, index, w_gu, w_down, act):
+    gu = compute_matmul("nd,nod->no", x, w_gu[index])
+    return compute_matmul("ni,ndi->nd", _swiglu(gu, act), w_down[index])
 
 
 def _pallas(x, index, w_gu, w_down, act, tiling):

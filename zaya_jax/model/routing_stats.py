@@ -35,18 +35,21 @@ class RoutingStats(NamedTuple):
         return self.counts.sum(-1)
 
 
-# Jacobi rounds of the balancing solve and the share of each round's step taken. The solve starts from the biases
-# that equalise the experts' median scores, which removes the shift common to all tokens (what collapses a router
-# whose probabilities differ between tokens by less than one optimizer step moves them). It reads at most
-# SOLVE_TOKENS tokens of the forward: a random subset (a regular stride aliases with periodic text such as indented
-# code) whose positions move with the data, so that its sampling error, about 1 / sqrt(SOLVE_TOKENS / E) of each
-# expert's share, differs between microbatches and layers instead of adding up over a step. Once the router has
-# learned, many tokens sit in tight clusters of nearly equal scores shared by several experts, and the rounds settle
-# slowly there: 16 left some forwards 1.5x off balance, 32 do not. The measurements that chose these are in
+# Jacobi rounds of the balancing solve, the share of each round's step taken, and the share of the previous round's
+# change carried into the next (heavy-ball momentum). The solve starts from the biases that equalise the experts'
+# median scores, which removes the shift common to all tokens (what collapses a router whose probabilities differ
+# between tokens by less than one optimizer step moves them). It reads at most SOLVE_TOKENS tokens of the forward: a
+# random subset (a regular stride aliases with periodic text such as indented code) whose positions move with the
+# data, so that its sampling error, about 1 / sqrt(SOLVE_TOKENS / E) of each expert's share, differs between
+# microbatches and layers instead of adding up over a step. Once the router has learned, many tokens sit in tight
+# clusters of nearly equal scores shared by several experts, and plain rounds settle slowly there (16 left some
+# forwards 1.5x off balance, 32 did not); with the momentum 20 settle them better than 32 plain ones, and each round is a chain of
+# small launch-bound kernels, so rounds are the solve's cost. The measurements that chose these are in
 # docs/routing.md.
-SOLVE_ROUNDS = 32
+SOLVE_ROUNDS = 20
 SOLVE_TOKENS = 2048
 SOLVE_DAMPING = 0.9
+SOLVE_MOMENTUM = 0.4
 CORRECTION_NAME = "balancing_correction"  # its checkpoint_name: remat policies keep it (model/zaya.py)
 
 
@@ -56,8 +59,8 @@ def balancing_correction(scores, valid):
     (estimated on at most SOLVE_TOKENS of them).
 
     Each round sets every expert's delta so that exactly N/E tokens prefer it to their best other expert (the
-    midpoint of its N/E-th and next-largest margins), all experts at once, damped; the margins are measured in
-    the scores' own units, so the solve needs no step size whatever the spread of the probabilities."""
+    midpoint of its N/E-th and next-largest margins), all experts at once, damped, with momentum; the margins are
+    measured in the scores' own units, so the solve needs no step size whatever the spread of the probabilities."""
     if scores.shape[0] > SOLVE_TOKENS:
         n = scores.shape[0]
         subset = np.random.default_rng(n).choice(n, SOLVE_TOKENS, replace=False).astype(np.uint32)
@@ -73,7 +76,8 @@ def balancing_correction(scores, valid):
     # each expert's median valid score (a sort: exact whatever the reduction order, unlike a mean)
     median = jnp.take(jnp.sort(jnp.where(valid, scores, jnp.inf), axis=-1), jnp.maximum(count - 1, 0) // 2, axis=-1)
 
-    def round_(delta, _):
+    def round_(carry, _):
+        delta, change = carry
         s = scores + delta[:, None]
         first = s.max(0, keepdims=True)
         is_first = experts == jnp.argmax(s, 0)[None]
@@ -81,10 +85,12 @@ def balancing_correction(scores, valid):
         margin = jnp.where(valid, s - jnp.where(is_first, second, first), -jnp.inf)
         ranked = -jnp.sort(-margin, axis=-1)
         middle = 0.5 * (jnp.take(ranked, k - 1, axis=-1) + jnp.take(ranked, k, axis=-1))
-        delta = delta - SOLVE_DAMPING * jnp.where(jnp.isfinite(middle), middle, 0.0)
-        return delta - delta.mean(), None
+        change = SOLVE_MOMENTUM * change - SOLVE_DAMPING * jnp.where(jnp.isfinite(middle), middle, 0.0)
+        change = change - change.mean()
+        return (delta + change, change), None
 
-    delta, _ = jax.lax.scan(round_, median.mean() - median, None, length=SOLVE_ROUNDS)
+    start = median.mean() - median
+    (delta, _), _ = jax.lax.scan(round_, (start, jnp.zeros_like(start)), None, length=SOLVE_ROUNDS)
     return checkpoint_name(jnp.where(count >= num_experts, delta, 0.0), CORRECTION_NAME)
 
 
@@ -119,4 +125,4 @@ def unpack(stats) -> RoutingStats:
 
 
 __all__ = ["RoutingStats", "balancing_correction", "token_sums", "unpack", "SOLVE_ROUNDS", "SOLVE_TOKENS",
-           "SOLVE_DAMPING", "CORRECTION_NAME"]
+           "SOLVE_DAMPING", "SOLVE_MOMENTUM", "CORRECTION_NAME"]

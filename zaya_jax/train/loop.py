@@ -173,6 +173,10 @@ def _run(config: ConfigDict, workdir: str, *, log, closers: list) -> dict:
             f"(raise --config.train.steps to continue)")
         ckpt.close()
         return {"step": start}
+    reserve_start = time.perf_counter()
+    if reserved := ckpt.reserve_transfer_memory(state):
+        log(f"pinned {reserved / 2**30:.1f} GiB of host memory for checkpoint copies in "
+            f"{time.perf_counter() - reserve_start:.1f} s")
     batch_sharding = s.program.batch_sharding  # [k microbatches, rows, ...]; rows split over data (step_options.py)
     it = train_iterator(s.train_sources, opts.data.weights, seq_len=plan.seq_len, global_batch=plan.micro_rows,
                         seed=opts.seed, rank=jax.process_index(), num_ranks=jax.process_count(), state=data_state,
