@@ -17,16 +17,16 @@ python -m launch.prepare_data "$W/docs.jsonl" --output-prefix "$W/data/web" --ho
 python -m launch.train --config configs/zaya1_base.py --workdir "$W/run" --config.model.preset=bench \
   --config.data.tokenizer=byte --config.data.sources.web="$W/data/web" \
   --config.data.valid_sources.web="$W/data/web_valid" \
-  --config.train.steps=16 --config.train.global_batch_tokens=131072 --config.train.microbatch_tokens=8192 \
+  --config.train.steps=24 --config.train.global_batch_tokens=131072 --config.train.microbatch_tokens=8192 \
   --config.train.log_every=1 --config.train.eval_every=8 --config.train.eval_batches=4 \
-  --config.train.checkpoint_every=4 --config.train.keep_checkpoints=2 --config.optim.warmup_steps=4 \
+  --config.train.checkpoint_every=8 --config.train.keep_checkpoints=2 --config.optim.warmup_steps=4 \
   > "$W/train1.log" 2>&1 &
 trainer=$!
-until [[ -d $W/run/checkpoints/8 ]] || ! kill -0 $trainer 2>/dev/null; do sleep 1; done
+until [[ -d $W/run/checkpoints/16 ]] || ! kill -0 $trainer 2>/dev/null; do sleep 1; done
 kill -9 $trainer || true; wait $trainer || true
 cp "$W/train1.log" "$OUT/"
-[[ -d $W/run/checkpoints/8 ]] || { echo "the trainer stopped before its step-8 checkpoint"; tail -5 "$W/train1.log"; exit 1; }
-echo "killed the trainer after the step-8 checkpoint; steps saved: $(ls "$W/run/checkpoints" | tr '\n' ' ')"
+[[ -d $W/run/checkpoints/16 ]] || { echo "the trainer stopped before its step-16 checkpoint"; tail -5 "$W/train1.log"; exit 1; }
+echo "killed the trainer after the step-16 checkpoint; steps saved: $(ls "$W/run/checkpoints" | tr '\n' ' ')"
 python -m launch.train --workdir "$W/run" 2>&1 | tr '\r' '\n' | grep -v "step/s" | tail -4
 python -m launch.evaluate --workdir "$W/run" --max_batches 4 2>&1 | tail -8
 python -m launch.generate --checkpoint "$W/run" --prompt "def main(" --max-new-tokens 32 --dtype bfloat16 2>&1 | tail -3

@@ -85,3 +85,26 @@ def test_an_unreadable_latest_step_is_set_aside_and_blocks_no_save_nor_retention
     mngr = CheckpointManager(str(tmp_path))
     assert mngr.all_steps() == [4, 6]
     assert mngr.restore(abstract_like(state), step=4).data == {"step": 4}
+
+
+def test_host_memory_is_reserved_for_checkpoint_copies_only_on_gpus(tmp_path):
+    """Saves copy to pageable host memory on the CPU: nothing to reserve. On a GPU the pool is grown once to the
+    state's bytes (its replica-0 shards: what a save copies)."""
+    state = _state(_mesh(8))
+    reserved = CheckpointManager(str(tmp_path)).reserve_transfer_memory(state)
+    if jax.default_backend() == "gpu":
+        assert reserved == sum(s.data.nbytes for x in jax.tree.leaves(state) for s in x.addressable_shards
+                               if s.replica_id == 0)
+    else:
+        assert reserved == 0
+
+
+@pytest.mark.gpu
+def test_reserved_pinned_memory_holds_the_state_on_gpu(tmp_path):
+    state = {"w": jnp.ones((1024, 1024), jnp.float32), "b": jnp.arange(7, dtype=jnp.int32)}
+    assert CheckpointManager(str(tmp_path)).reserve_transfer_memory(state) == 4 * 1024 * 1024 + 4 * 7
+    mngr = CheckpointManager(str(tmp_path), save_interval_steps=1)
+    assert mngr.save(1, state, data={}, meta={})
+    mngr.close()
+    restored = CheckpointManager(str(tmp_path)).restore(abstract_like(state))
+    np.testing.assert_array_equal(restored.state["w"], state["w"])

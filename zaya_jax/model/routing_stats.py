@@ -43,10 +43,10 @@ class RoutingStats(NamedTuple):
 # data, so that its sampling error, about 1 / sqrt(SOLVE_TOKENS / E) of each expert's share, differs between
 # microbatches and layers instead of adding up over a step. Once the router has learned, many tokens sit in tight
 # clusters of nearly equal scores shared by several experts, and plain rounds settle slowly there (16 left some
-# forwards 1.5x off balance, 32 did not); with the momentum 20 settle them better than 32 plain ones, and each round is a chain of
-# small launch-bound kernels, so rounds are the solve's cost. The measurements that chose these are in
+# forwards 1.5x off balance, 32 fewer); with the momentum, 24 rounds settle them better than 32 plain ones. Each round
+# is a chain of small launch-bound kernels, so rounds are the solve's cost. The measurements that chose these are in
 # docs/routing.md.
-SOLVE_ROUNDS = 20
+SOLVE_ROUNDS = 24
 SOLVE_TOKENS = 2048
 SOLVE_DAMPING = 0.9
 SOLVE_MOMENTUM = 0.4
