@@ -1,5 +1,6 @@
 """Where a greedy decode step's time goes: the decode loop of `generate_padded` under jax.profiler, its device
-kernels grouped by HLO op (total time per generated token, count per token), against the wall time per token.
+kernels grouped by HLO op (total time per generated token, count per token), against the wall time per token
+(which includes the prefill).
 
 python -m benchmarks.profile_decode [--preset zaya1_8b] [--batch 1] [--prompt 512] [--new-tokens 64]
                                     [--kernels auto|xla] [--unrolled] [--out FILE.json]
@@ -60,8 +61,8 @@ def main():
     tokens = args.new_tokens
     busy_ms = sum(v[0] for v in per_op.values()) / 1e6
     top = sorted(per_op.items(), key=lambda kv: -kv[1][0])[:args.top]
-    report = dict(preset=args.preset, batch=args.batch, prompt=args.prompt, new_tokens=tokens, kernels=args.kernels, unrolled=args.unrolled,
-                  device=jax.devices()[0].device_kind, wall_s_median=float(np.median(walls)),
+    report = dict(preset=args.preset, batch=args.batch, prompt=args.prompt, new_tokens=tokens, kernels=args.kernels,
+                  unrolled=args.unrolled, device=jax.devices()[0].device_kind, wall_s_median=float(np.median(walls)),
                   wall_ms_per_token=float(np.median(walls)) * 1e3 / tokens,
                   kernel_ms_per_token=busy_ms / tokens, kernels_per_token=len(ops) / tokens, lines=lines,
                   top_ops=[dict(op=k, ms_per_token=round(v[0] / 1e6 / tokens, 4), calls_per_token=v[1] / tokens)

@@ -12,10 +12,10 @@ kernels (the `kernels=` option of Scorer, Decoder, ZayaLM and the launch scripts
            scoring and prefill, whose token counts are the training step's. Decode keeps XLA's attention, norms and
            convs: its few tokens per step are memory-bound, and the flash kernel would pad one query per row to a
            16-row tile. On the CPU the Pallas kernels run in interpret mode (tests).
+  'auto'   'gpu' on a GPU backend, 'xla' elsewhere (Pallas has no CPU or TPU lowering here).
 Decode's experts are moe_impl 'decode' under every choice but None (model/experts.py: each token's own expert
 weights, or every expert read once, instead of a grouped GEMM whose XLA lowering copies and transposes the layer's
 expert weights every step; benchmarks/profile_decode.py measures where a decode step's time goes).
-  'auto'   'gpu' on a GPU backend, 'xla' elsewhere (Pallas has no CPU or TPU lowering here).
 cuDNN attention is never chosen: jax's cuDNN path takes no traced sliding window (scanned mixed layer types) and
 the cache programs would need a dense [B, T, S] mask.
 """
