@@ -34,7 +34,7 @@ from zaya_jax.train.options import TrainOptions
 # the plan, the state and the jitted step are assembled in train/program.py (shared with the benchmarks); these
 # names stay importable from here
 from zaya_jax.train.program import (Plan, TrainProgram, batch_ramp, build_train_program, init_state,  # noqa: F401
-                                    make_plan, optimizer_config, validate)
+                                    make_plan)
 
 # Dense bf16 peak FLOP/s per device kind, for MFU (vendor figures; override with train.peak_tflops).
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "MI300X": 1307.4, "MI325X": 1307.4, "MI355X": 2516.6, "A100": 312.0}

@@ -48,11 +48,6 @@ class Plan:
         return self.ramp[step] if step < len(self.ramp) else self.accumulation
 
 
-def validate(config: ConfigDict) -> RunOptions:
-    """Refuses values that cannot work, before any model is built or compiled; the run's typed options."""
-    return run_options(config)
-
-
 def make_plan(config: ConfigDict) -> Plan:
     opts = run_options(config)
     cfg = preset(config.model.preset, **dict(config.model.get("overrides", {})))
@@ -103,11 +98,6 @@ def init_state(cfg: ModelConfig, tx, seed: int, sharding):
     shapes = jax.eval_shape(create)
     shardings = sharding(shapes) if callable(sharding) else jax.tree.map(lambda _: sharding, shapes)
     return graphdef_of(cfg, seed), jax.jit(create, out_shardings=shardings)()
-
-
-def optimizer_config(config: ConfigDict) -> OptimizerConfig:
-    """The run's optimizer config, its schedule following the run (train/options.py)."""
-    return run_options(config).optim
 
 
 @dataclasses.dataclass
