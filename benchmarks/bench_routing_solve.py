@@ -1,52 +1,46 @@
-"""Time of one balancing solve (routing_stats.balancing_correction) on [8192, 16] router scores, the bench preset's
-microbatch, with the library's constants: the jnp reference ('xla') next to the one-launch Pallas kernel, and the
-kernel alone at a few warp counts, on the same inputs, each result checked against the reference's. Per step = 16
-microbatches x 8 layers. The bf16 GEMM ceiling is printed for scale.
+"""Time of one balancing solve (routing_stats.balancing_correction) on [8192, 16] scores, the bench preset's
+microbatch, for a few round counts and token subsets, with the rounds in a lax.scan and unrolled; per step =
+16 microbatches x 8 layers. python benchmarks/bench_routing_solve.py [--out FILE.json]"""
 
-python -m benchmarks.bench_routing_solve [--out FILE.json]"""
-
+import functools
 import json
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.kernels.bench import gemm_ceiling_tflops, time_call
 from zaya_jax.model import routing_stats as rs
-from pallas_kernels import balancing_solve as kernel
-from zaya_jax.ops import balancing_solve
 
 N, E, CALLS_PER_STEP = 8192, 16, 16 * 8
+scan = jax.lax.scan
 
 
-def main():
-    scores = 1 / 17 + jax.random.normal(jax.random.key(0), (N, E)) * 1e-4
-    valid = jnp.ones(N, bool)
-    block, block_valid = scores[:rs.SOLVE_TOKENS].T, valid[:rs.SOLVE_TOKENS]
-    constants = dict(rounds=rs.SOLVE_ROUNDS, damping=rs.SOLVE_DAMPING, momentum=rs.SOLVE_MOMENTUM)
-    # the whole correction (subset gather, solve, mask) per impl, then the kernel alone per warp count
-    variants = [(f"correction {impl}", None, jax.jit(lambda s, impl=impl: rs.balancing_correction(s, valid, impl)),
-                 scores) for impl in ("xla", "pallas")]
-    variants.append(("solve xla", None, jax.jit(lambda b: balancing_solve.solve(b, block_valid, **constants)), block))
-    variants += [("solve pallas", w, jax.jit(lambda b, w=w: kernel.solve(b, block_valid, num_warps=w, **constants)),
-                  block) for w in (4, 8, 16)]
-    expected = {"correction": np.asarray(variants[0][2](scores)), "solve": np.asarray(variants[2][2](block))}
-    rows = []
-    for name, warps, fn, x in variants:
-        us = time_call(fn, x) * 1e6
-        rows.append(dict(what=name, num_warps=warps, us_per_call=round(us, 1),
-                         ms_per_step=round(us * CALLS_PER_STEP / 1e3, 2),
-                         max_abs_diff_to_xla=float(np.abs(np.asarray(fn(x)) - expected[name.split()[0]]).max())))
-        print(rows[-1], flush=True)
-    result = dict(device=jax.devices()[0].device_kind, scores=[N, E], tokens_read=rs.SOLVE_TOKENS, **constants,
-                  gemm_bf16_tflops=gemm_ceiling_tflops(), rows=rows,
-                  correction_speedup=round(rows[0]["us_per_call"] / rows[1]["us_per_call"], 2))
-    print(json.dumps(result), flush=True)
-    if "--out" in sys.argv:
-        with open(sys.argv[sys.argv.index("--out") + 1], "w") as f:
-            json.dump(result, f, indent=1)
+def time_solve(rounds, tokens, unroll):
+    rs.SOLVE_ROUNDS, rs.SOLVE_TOKENS = rounds, tokens
+    jax.lax.scan = functools.partial(scan, unroll=True) if unroll else scan
+    x = jax.random.uniform(jax.random.key(0), (N, E)) * 1e-3
+    f = jax.jit(lambda s: rs.balancing_correction(s, jnp.ones(N, bool)))
+    f(x).block_until_ready()
+    jax.lax.scan = scan
+    ts = []
+    for _ in range(7):
+        t = time.perf_counter()
+        for _ in range(50):
+            r = f(x)
+        r.block_until_ready()
+        ts.append((time.perf_counter() - t) / 50)
+    return float(np.median(ts) * 1e6)
 
 
-if __name__ == "__main__":
-    main()
+rows = []
+for rounds, tokens, unroll in ((16, 2048, False), (16, 2048, True), (8, 2048, True), (16, 8192, False),
+                               (16, 8192, True)):
+    us = time_solve(rounds, tokens, unroll)
+    rows.append(dict(rounds=rounds, tokens=tokens, unrolled=unroll, us_per_solve=round(us, 1),
+                     ms_per_step=round(us * CALLS_PER_STEP / 1e3, 2)))
+    print(rows[-1], flush=True)
+if "--out" in sys.argv:
+    json.dump(dict(device=jax.devices()[0].device_kind, shape=[N, E], rows=rows),
+              open(sys.argv[sys.argv.index("--out") + 1], "w"), indent=1)
