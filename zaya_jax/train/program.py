@@ -169,7 +169,8 @@ def _train_step(plan: Plan, mesh, graphdef, tx, shardings, log):
         grad_spec_of = zero1_spec_fn(mesh) if par.zero1 else (lambda shape: P())
         local_sums = make_local_loss_sums(graphdef, opts.data.reset_at_documents, cp,
                                           opts.train.ce_chunk_tokens or None,
-                                          balance_tokens=balancer.learning_rate > 0)
+                                          balance_tokens=balancer.learning_rate > 0,
+                                          solve=balancer.learning_rate > 0)
         grad_fn = sharded_value_and_grad(local_sums, mesh, grad_spec_of, zigzag=cp.zigzag if cp else None)
     # which of the step's options apply here (per-layer view, deferred expert gradients): train/step_options.py
     so = step_options(opts, cfg, several_devices=grad_fn is not None, accumulation=plan.accumulation)

@@ -70,32 +70,32 @@ def loss_sums(model, batch, reset_at_documents: bool, ce_chunk_tokens: int | Non
     return (total / jnp.maximum(counted, 1.0) if mean else total), counted, aux.router_stats
 
 
-def training_model(graphdef, params, model_state, balance_tokens: bool):
-    """The model as the train step runs it: every router solves its balancing correction, which the bias controller
-    folds into the biases; with balance_tokens, it also selects with it, giving its experts equal shares of the
-    forward's tokens (model/router.py)."""
+def training_model(graphdef, params, model_state, balance_tokens: bool, solve: bool = True):
+    """The model as the train step runs it: with solve (the controller on), every router solves its balancing
+    correction, which the bias controller folds into the biases; with balance_tokens, it also selects with it, giving
+    its experts equal shares of the forward's tokens (model/router.py)."""
     model = nnx.merge(graphdef, params, model_state)
-    model.set_attributes(solve_balance=True, balance_tokens=balance_tokens)
+    model.set_attributes(solve_balance=solve or balance_tokens, balance_tokens=balance_tokens)
     return model
 
 
 def make_loss_fn(graphdef, reset_at_documents: bool, *, ce_chunk_tokens: int | None = None,
-                 balance_tokens: bool = True):
+                 balance_tokens: bool = True, solve: bool = True):
     def loss_fn(params, model_state, batch):
-        model = training_model(graphdef, params, model_state, balance_tokens)
+        model = training_model(graphdef, params, model_state, balance_tokens, solve)
         mean, _, counts = loss_sums(model, batch, reset_at_documents, ce_chunk_tokens, mean=True)
         return mean, counts
     return loss_fn
 
 
 def make_local_loss_sums(graphdef, reset_at_documents: bool, cp: ContextParallel | None = None,
-                         ce_chunk_tokens: int | None = None, balance_tokens: bool = True):
+                         ce_chunk_tokens: int | None = None, balance_tokens: bool = True, solve: bool = True):
     """make_loss_fn's loss as per-device sums, for data/context parallelism in shard_map
     (zaya_jax/parallel/data_parallel.py): (sum of token losses, counted tokens, expert counts) of this device's
     rows; with cp, of its zigzag share of their tokens (zaya_jax/parallel/context.py; full logits there)."""
 
     def local_sums(params, model_state, batch):
-        model = training_model(graphdef, params, model_state, balance_tokens)
+        model = training_model(graphdef, params, model_state, balance_tokens, solve)
         if cp is None:
             return loss_sums(model, batch, reset_at_documents, ce_chunk_tokens)
         extra = model_inputs(batch, reset_at_documents)
@@ -158,7 +158,8 @@ def make_accumulating_train_step(graphdef, tx: optax.GradientTransformation, bal
     # the routers balance each microbatch whenever the controller is on (model/router.py); False: the biases alone
     balancing_in_microbatch = balancer.learning_rate > 0 if balance_tokens is None else balance_tokens
     grad_fn = grad_fn or jax.value_and_grad(make_loss_fn(graphdef, reset_at_documents, ce_chunk_tokens=ce_chunk_tokens,
-                                                         balance_tokens=balancing_in_microbatch), has_aux=True)
+                                                         balance_tokens=balancing_in_microbatch,
+                                                         solve=balancer.learning_rate > 0), has_aux=True)
 
     def microbatch(params, model_state, balancer_state, batch):
         """Gradient of one microbatch, then the bias controller on its routing statistics."""
