@@ -1,43 +1,49 @@
-"""Time of one balancing solve (routing_stats.balancing_correction) on [8192, 16] router scores, the bench preset's
-microbatch, with the library's constants: the sorting rounds ('xla') next to the counting ones ('pallas',
-ops/order_statistics.py) on the same inputs, each result checked against the first. Per step = 16 microbatches x 8
-layers. The bf16 GEMM ceiling is printed for scale.
+"""Time of one balancing solve (routing_stats.balancing_correction) on [8192, 16] scores, the bench preset's
+microbatch, at the library's constants and for a few other round counts and token subsets, with the rounds in a
+lax.scan and unrolled; per step = 16 microbatches x 8 layers.
 
-python -m benchmarks.bench_routing_solve [--out FILE.json]"""
+python benchmarks/bench_routing_solve.py [--out FILE.json]"""
 
+import functools
 import json
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.kernels.bench import gemm_ceiling_tflops, time_call
 from zaya_jax.model import routing_stats as rs
 
 N, E, CALLS_PER_STEP = 8192, 16, 16 * 8
+scan = jax.lax.scan
 
 
-def main():
-    scores = 1 / 17 + jax.random.normal(jax.random.key(0), (N, E)) * 1e-4
-    valid = jnp.ones(N, bool)
-    rows, expected = [], None
-    for impl in ("xla", "pallas"):
-        fn = jax.jit(lambda s, impl=impl: rs.balancing_correction(s, valid, impl))
-        out = np.asarray(fn(scores))
-        expected = out if expected is None else expected
-        us = time_call(fn, scores) * 1e6
-        rows.append(dict(impl=impl, us_per_solve=round(us, 1), ms_per_step=round(us * CALLS_PER_STEP / 1e3, 2),
-                         max_abs_diff_to_xla=float(np.abs(out - expected).max())))
-        print(rows[-1], flush=True)
-    result = dict(device=jax.devices()[0].device_kind, scores=[N, E], tokens_read=rs.SOLVE_TOKENS,
-                  rounds=rs.SOLVE_ROUNDS, gemm_bf16_tflops=gemm_ceiling_tflops(), rows=rows,
-                  pallas_speedup=round(rows[0]["us_per_solve"] / rows[1]["us_per_solve"], 2))
-    print(json.dumps(result), flush=True)
-    if "--out" in sys.argv:
-        with open(sys.argv[sys.argv.index("--out") + 1], "w") as f:
-            json.dump(result, f, indent=1)
+def time_solve(rounds, tokens, unroll):
+    rs.SOLVE_ROUNDS, rs.SOLVE_TOKENS = rounds, tokens
+    jax.lax.scan = functools.partial(scan, unroll=True) if unroll else scan
+    x = jax.random.uniform(jax.random.key(0), (N, E)) * 1e-3
+    f = jax.jit(lambda s: rs.balancing_correction(s, jnp.ones(N, bool)))
+    f(x).block_until_ready()
+    jax.lax.scan = scan
+    ts = []
+    for _ in range(7):
+        t = time.perf_counter()
+        for _ in range(50):
+            r = f(x)
+        r.block_until_ready()
+        ts.append((time.perf_counter() - t) / 50)
+    return float(np.median(ts) * 1e6)
 
 
-if __name__ == "__main__":
-    main()
+rows = []
+for rounds, tokens, unroll in ((rs.SOLVE_ROUNDS, 2048, False), (16, 2048, False),
+                               (16, 2048, True), (8, 2048, True), (16, 8192, False),
+                               (16, 8192, True)):
+    us = time_solve(rounds, tokens, unroll)
+    rows.append(dict(rounds=rounds, tokens=tokens, unrolled=unroll, us_per_solve=round(us, 1),
+                     ms_per_step=round(us * CALLS_PER_STEP / 1e3, 2)))
+    print(rows[-1], flush=True)
+if "--out" in sys.argv:
+    json.dump(dict(device=jax.devices()[0].device_kind, shape=[N, E], rows=rows),
+              open(sys.argv[sys.argv.index("--out") + 1], "w"), indent=1)

@@ -20,8 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from zaya_jax.ops import order_statistics
-
 
 class RoutingStats(NamedTuple):
     counts: jax.Array
@@ -55,15 +53,14 @@ SOLVE_MOMENTUM = 0.4
 CORRECTION_NAME = "balancing_correction"  # its checkpoint_name: remat policies keep it (model/zaya.py)
 
 
-def balancing_correction(scores, valid, impl: str = "xla"):
+def balancing_correction(scores, valid):
     """scores [N, E] (each real expert's probability plus its balancing bias), valid [N] bool -> the zero-mean
     bias change delta [E] after which argmax(scores + delta) gives each expert about N/E of the valid tokens
     (estimated on at most SOLVE_TOKENS of them).
 
     Each round sets every expert's delta so that exactly N/E tokens prefer it to their best other expert (the
     midpoint of its N/E-th and next-largest margins), all experts at once, damped, with momentum; the margins are
-    measured in the scores' own units, so the solve needs no step size whatever the spread of the probabilities.
-    `impl` picks how each round finds those margins (ops/order_statistics.py): 'xla' sorts, 'pallas' counts."""
+    measured in the scores' own units, so the solve needs no step size whatever the spread of the probabilities."""
     if scores.shape[0] > SOLVE_TOKENS:
         n = scores.shape[0]
         subset = np.random.default_rng(n).choice(n, SOLVE_TOKENS, replace=False).astype(np.uint32)
@@ -71,7 +68,7 @@ def balancing_correction(scores, valid, impl: str = "xla"):
         shift = jax.lax.bitcast_convert_type(scores.max().astype(jnp.float32), jnp.uint32) % n
         subset = ((subset + shift) % n).astype(jnp.int32)
         scores, valid = scores[subset], valid[subset]
-    scores = scores.T  # [E, N]: the order statistics are taken along the minor axis
+    scores = scores.T  # [E, N]: the sorts run along the minor axis
     num_experts, n = scores.shape
     count = valid.sum()
     k = jnp.clip(count // num_experts, 1, n - 1)
@@ -86,8 +83,8 @@ def balancing_correction(scores, valid, impl: str = "xla"):
         is_first = experts == jnp.argmax(s, 0)[None]
         second = jnp.where(is_first, -jnp.inf, s).max(0, keepdims=True)
         margin = jnp.where(valid, s - jnp.where(is_first, second, first), -jnp.inf)
-        kth, next_ = order_statistics.kth_and_next_largest(margin, k, impl=impl)
-        middle = 0.5 * (kth + next_)
+        ranked = -jnp.sort(-margin, axis=-1)
+        middle = 0.5 * (jnp.take(ranked, k - 1, axis=-1) + jnp.take(ranked, k, axis=-1))
         change = SOLVE_MOMENTUM * change - SOLVE_DAMPING * jnp.where(jnp.isfinite(middle), middle, 0.0)
         change = change - change.mean()
         return (delta + change, change), None
