@@ -40,16 +40,17 @@ ensure_newest_venv() {  # what a plain `pip install -e ".[test]"` resolves: the 
 # paths another listed file already compiles (kept to about 10-15 minutes on 2 cores)
 NEWEST_TESTS=(tests/test_parallel_train.py tests/test_parallel_context.py tests/test_pallas_attention.py tests/test_train.py tests/test_pallas_grouped_matmul.py tests/test_pallas_cca_conv.py tests/test_parallel_zero1.py tests/test_pallas_rmsnorm.py tests/test_pallas_softmax_xent.py tests/test_muon.py tests/test_symmetric_matmul.py tests/test_activations.py tests/test_unrolled_layers.py tests/test_parallel_mesh.py tests/test_parallel_distributed.py tests/test_checkpoint_manager.py tests/test_loss.py tests/test_bf16_forward.py)
 
-ensure_ref_venv() {  # the Hugging Face reference: PyTorch (CPU) + transformers >= 5.23, used by the parity tests
+ensure_ref_venv() {  # the Hugging Face reference: PyTorch (CPU) + transformers >= 5.23, used by the parity tests,
+  # and lm_eval with its hf backend (tests/test_lm_eval_hf_backend.py)
   local stamp=.venv-ref/.installed
-  [[ -f $stamp ]] && return
+  [[ -f $stamp && $stamp -nt run.sh ]] && return
   local py; py=$(find_python 3.11) || { echo "run.sh: no Python 3.11 for the reference venv; HF parity tests will skip" >&2; return; }
   [[ -x .venv-ref/bin/python ]] || "$py" -m venv .venv-ref
   local tf="transformers>=5.23"
   local wheel; wheel=$(ls ../shared/wheels/transformers-5.2[3-9]*.whl 2>/dev/null | tail -n 1 || true)
   [[ -n $wheel ]] && tf=$wheel
   # torch 2.13.0 is the CPU build kept on disk for Python 3.11; a plain 'torch' would pull a multi-GB CUDA build.
-  .venv-ref/bin/python -m pip install -q torch==2.13.0 "$tf" safetensors numpy
+  .venv-ref/bin/python -m pip install -q torch==2.13.0 "$tf" safetensors numpy "lm_eval>=0.4.13,<0.5" accelerate
   touch "$stamp"
 }
 

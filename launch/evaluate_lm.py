@@ -33,6 +33,8 @@ def main(argv=None):
     ap.add_argument("--limit", type=float, default=None, help="examples per task (testing only)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output", default=None, help="write lm_eval's results JSON here")
+    ap.add_argument("--samples", default=None, help="write every scored example here, one JSON line each (task, "
+                    "doc_id, the log-likelihoods or generations, the metrics), as lm_eval --log_samples records them")
     args = ap.parse_args(argv)
 
     try:
@@ -48,11 +50,17 @@ def main(argv=None):
                                 max_gen_toks=args.max_gen_toks, seed=args.seed)
     out = lm_eval.simple_evaluate(model=lm, tasks=args.tasks.split(","), num_fewshot=args.num_fewshot,
                                   limit=args.limit, task_manager=TaskManager(include_path=args.include_path),
-                                  random_seed=args.seed, numpy_random_seed=args.seed, bootstrap_iters=0)
+                                  random_seed=args.seed, numpy_random_seed=args.seed, bootstrap_iters=0,
+                                  log_samples=args.samples is not None)
     print(make_table(out))
     if args.output:
         with open(args.output, "w") as f:
             json.dump(out["results"], f, indent=1, default=str)
+    if args.samples:
+        with open(args.samples, "w") as f:
+            for task, samples in out["samples"].items():
+                for sample in samples:
+                    f.write(json.dumps({"task": task, **sample}, default=str) + "\n")
     return out["results"]
 
 
