@@ -1,7 +1,8 @@
 """`python -m launch.evaluate_lm` on an exported checkpoint scores a multiple-choice task as lm-evaluation-harness's
 own `hf` backend scores it with Hugging Face's ZayaForCausalLM on the same directory (the reference venv: PyTorch +
 transformers + lm_eval): the same accuracies and, per question and choice, the same log-likelihoods and greedy flags.
-The directory carries a byte-level BPE tokenizer.json, so both sides tokenize with the same file."""
+The directory carries a byte-level BPE tokenizer.json, so both sides tokenize with the same file. On the GPU at full
+size: benchmarks/lm_eval_h200.py."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from hf_reference.jax_side import random_model
 
 from lm_eval.tasks import TaskManager
 
+from benchmarks.lm_eval_h200 import task_texts, write_bpe_tokenizer
+
 import zaya_jax
 from zaya_jax.config import tiny
 
@@ -33,24 +36,6 @@ def reference_has_lm_eval() -> bool:
     if not REF_PYTHON.exists():
         return False
     return subprocess.run([str(REF_PYTHON), "-c", "import lm_eval, accelerate"], capture_output=True).returncode == 0
-
-
-def write_tokenizer(directory):
-    """A byte-level BPE trained on the task's own text, with tokenizer_config.json for transformers' AutoTokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    with open(os.path.join(TASK_DIR, "zaya_toy_mc.jsonl")) as f:
-        docs = [json.loads(line) for line in f]
-    text = [f"Question: {d['question']}\nAnswer: " + " ".join(d["choices"]) for d in docs]
-    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<bos>", "<eos>"],
-                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(os.path.join(directory, "tokenizer.json"))
-    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
-                   "pad_token": "<pad>"}, f)
 
 
 def read_samples(path):
@@ -67,7 +52,8 @@ def test_evaluate_lm_scores_as_the_hf_backend(tmp_path, monkeypatch):
 
     seed = int(np.random.SeedSequence().entropy % 2**31)
     checkpoint = str(zaya_jax.to_hf(random_model(CFG, seed=seed), tmp_path / "hf"))
-    write_tokenizer(checkpoint)
+    with open(os.path.join(TASK_DIR, "zaya_toy_mc.jsonl")) as f:
+        write_bpe_tokenizer(checkpoint, task_texts([json.loads(line) for line in f]), vocab_size=300)
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     # lm_eval's own ~14k task files are not needed here: index the toy task's folder only
