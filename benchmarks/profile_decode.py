@@ -3,8 +3,9 @@ kernels grouped by HLO op (total time per generated token, count per token), aga
 (which includes the prefill).
 
 python -m benchmarks.profile_decode [--preset zaya1_8b] [--batch 1] [--prompt 512] [--new-tokens 64]
-                                    [--kernels auto|xla] [--unrolled] [--out FILE.json]
---unrolled: the layers as straight-line code (scan_layers=False) instead of a scan over the stacked weights."""
+                                    [--kernels auto|xla] [--unrolled] [--per-layer] [--out FILE.json]
+--unrolled: the layers as straight-line code (scan_layers=False) instead of a scan over the stacked weights.
+--per-layer: the decoder's own per-layer weight arrays (Decoder per_layer), its layers unrolled."""
 
 from __future__ import annotations
 
@@ -32,13 +33,14 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--kernels", default="auto", choices=["auto", "xla"])
     ap.add_argument("--unrolled", action="store_true")
+    ap.add_argument("--per-layer", action="store_true")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     model = init_model(args.preset)
     if args.unrolled:
         model = with_config(model, model.cfg.replace(scan_layers=False))
-    decoder = Decoder(model, kernels=args.kernels)
+    decoder = Decoder(model, kernels=args.kernels, per_layer=args.per_layer)
     ids = np.random.default_rng(0).integers(3, model.cfg.vocab_size, (args.batch, args.prompt)).astype(np.int32)
 
     def run():
@@ -62,7 +64,8 @@ def main():
     busy_ms = sum(v[0] for v in per_op.values()) / 1e6
     top = sorted(per_op.items(), key=lambda kv: -kv[1][0])[:args.top]
     report = dict(preset=args.preset, batch=args.batch, prompt=args.prompt, new_tokens=tokens, kernels=args.kernels,
-                  unrolled=args.unrolled, device=jax.devices()[0].device_kind, wall_s_median=float(np.median(walls)),
+                  unrolled=args.unrolled, per_layer=args.per_layer, device=jax.devices()[0].device_kind,
+                  wall_s_median=float(np.median(walls)),
                   wall_ms_per_token=float(np.median(walls)) * 1e3 / tokens,
                   kernel_ms_per_token=busy_ms / tokens, kernels_per_token=len(ops) / tokens, lines=lines,
                   top_ops=[dict(op=k, ms_per_token=round(v[0] / 1e6 / tokens, 4), calls_per_token=v[1] / tokens)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from zaya_jax.model.cca import CCAState
+from zaya_jax.model.layer_stack import stack_layer_slices
 from zaya_jax.model.zaya import ZayaForCausalLM
 from zaya_jax.ops import attention as attention_ops
 
@@ -53,7 +54,8 @@ def init_cache(model: ZayaForCausalLM, batch: int, max_length: int) -> DecodeCac
     if v_delayed.bias is None:
         value = jnp.zeros((L, batch, KV * d // 2), dt)
     else:  # Linear adds its bias in fp32, then casts
-        value = jnp.broadcast_to(v_delayed.bias[...].astype(jnp.float32).astype(dt)[:, None], (L, batch, KV * d // 2))
+        bias = stack_layer_slices(v_delayed.bias.get_value())  # per-layer arrays in a per_layer Decoder
+        value = jnp.broadcast_to(bias.astype(jnp.float32).astype(dt)[:, None], (L, batch, KV * d // 2))
     return DecodeCache(
         kv=KVCache(jnp.zeros(kv_shape, dt), jnp.zeros(kv_shape, dt)),
         cca=CCAState(conv=jnp.zeros((L, batch, cfg.conv_halo, cfg.conv_channels), dt), value=value),

@@ -25,6 +25,7 @@ from zaya_jax.inference.cache import (
     init_cache,
 )
 from zaya_jax.inference.kernels import with_kernels
+from zaya_jax.model.compute_view import compute_view
 from zaya_jax.model.zaya import ZayaForCausalLM
 
 
@@ -53,11 +54,17 @@ class Decoder:
 
     kernels: None (the model's impls), 'auto', 'xla' or 'gpu' (inference/kernels.py): prefill compiles with the
     'prefill' choice (graphdef), single-token steps and bound loops with the 'decode' one (step_graphdef); both
-    read the same parameters (state)."""
+    read the same parameters (state).
 
-    def __init__(self, model: ZayaForCausalLM, *, kernels: str | None = None):
+    per_layer: the decoder holds each layer's weights as their own arrays (model/compute_view.py, LayerSlices; a copy
+    of the layer weights, made once) and runs the layers unrolled, so that a step reads them in place; over stacked
+    weights the layer scan copies each layer's slice in every step."""
+
+    def __init__(self, model: ZayaForCausalLM, *, kernels: str | None = None, per_layer: bool = False):
         self.cfg = model.cfg
         self.graphdef, self.state = nnx.split(with_kernels(model, kernels, "prefill"))
+        if per_layer:
+            self.state = compute_view(self.state, per_layer=True)
         self.step_graphdef = nnx.split(with_kernels(model, kernels, "decode"))[0]
         self._prefill = jax.jit(functools.partial(_prefill, self.graphdef), donate_argnums=1,
                                 static_argnames="all_logits")

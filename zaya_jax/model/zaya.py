@@ -162,7 +162,8 @@ class ZayaModel(nnx.Module):
         sliding_window) -> (o, new attend_state_l) replaces the layer's attention. attention_mask [B, T] zeroes
         padded tokens before the CCA projections (as HF does for multi-token inputs).
         Returns (final normed hidden states [B, T, D], new cca_state, new attend_state), leading axes as given.
-        Layers always run under lax.scan and without remat: this path is never differentiated."""
+        Layers run under lax.scan, or unrolled when the layer parameters are per-layer arrays (LayerSlices,
+        model/compute_view.py per_layer), without remat: this path is never differentiated."""
         cfg = self.cfg
         dt = dtypes(cfg)[0]
         B, T = input_ids.shape
@@ -191,7 +192,17 @@ class ZayaModel(nnx.Module):
             return (h, r), (cca_l, produced["state"])
 
         xs = (layer_params, state_scale, inv_freq, windows, cca_state, attend_state)
-        (h, _), (cca_state, attend_state) = jax.lax.scan(body, (h, router_state), xs)
+        if any(map(is_layer_slices, jax.tree.leaves(layer_params, is_leaf=is_layer_slices))):
+            # per-layer weight arrays (compute_view per_layer): each layer reads its own buffers, where the scan's
+            # slice of a stacked weight is a copy of it in every step
+            carry, produced = (h, router_state), []
+            for layer_xs in unstack_layers(xs, cfg.num_hidden_layers):
+                carry, out = body(carry, layer_xs)
+                produced.append(out)
+            h = carry[0]
+            cca_state, attend_state = jax.tree.map(lambda *layers: jnp.stack(layers), *produced)
+        else:
+            (h, _), (cca_state, attend_state) = jax.lax.scan(body, (h, router_state), xs)
         y = norm_ops.rms_norm(h, self.norm.weight[...], cfg.rms_norm_eps, dt, impl=cfg.norm_impl)
         return y, cca_state, attend_state
 
