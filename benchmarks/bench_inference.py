@@ -537,12 +537,14 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="tiny shapes (a CPU check of the script)")
     ap.add_argument("--kernels", choices=["auto", "xla"], default="auto",
                     help="our implementations: auto = the platform's fast kernels (Pallas on GPU), xla = XLA's")
+    ap.add_argument("--phases", default=None, help="comma-separated fnmatch patterns of the measurements to run on "
+                    "both sides (e.g. 'compile,decode_compiled_*'; default all); loading and export always run")
     ap.add_argument("--phase", choices=["jax"], help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.phase:  # the JAX child
         spec = json.load(open(args.spec))
-        phases = Phases(spec["jax_out"], spec["jax_deadline"], "jax")
+        phases = Phases(spec["jax_out"], spec["jax_deadline"], "jax", spec.get("phases"))
         run_jax(spec, args.preset, phases)
         phases.save()
         sys.stdout.flush()
@@ -555,6 +557,7 @@ def main(argv=None):
     work = tempfile.mkdtemp(prefix="bench_inference_", dir=work_parent(args))
     model_dir = os.path.abspath(args.model_dir) if args.model_dir else os.path.join(work, "model")
     spec = spec_for(args, model_dir, work)
+    spec["phases"] = args.phases.split(",") if args.phases else None
     spec.update(quick=args.quick, jax_out=os.path.join(work, "jax.json"), hf_out=os.path.join(work, "hf.json"),
                 jax_deadline=t0 + args.time_budget - hf_reserve - 15, hf_deadline=t0 + args.time_budget - 10)
     spec_path = os.path.join(work, "spec.json")

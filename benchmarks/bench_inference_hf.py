@@ -29,7 +29,7 @@ def sync(_=None):
 
 def main():
     spec = json.load(open(sys.argv[1]))
-    phases = Phases(spec["hf_out"], spec["hf_deadline"], "hf")
+    phases = Phases(spec["hf_out"], spec["hf_deadline"], "hf", spec.get("phases"))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = getattr(torch, spec["dtype"])
     info = {"transformers": transformers.__version__, "torch": torch.__version__,

@@ -11,6 +11,7 @@ makes one hang (to test partial output and the deadline).
 from __future__ import annotations
 
 import json
+import fnmatch
 import os
 import threading
 import time
@@ -29,8 +30,10 @@ def write_json(path: str, data) -> None:
 
 
 class Phases:
-    def __init__(self, out_path: str, deadline: float, prefix: str):
-        self.out_path, self.deadline, self.prefix = out_path, deadline, prefix
+    def __init__(self, out_path: str, deadline: float, prefix: str, only: list[str] | None = None):
+        """only: fnmatch patterns of the measurement phases to run (None: all); the ones that set the model up
+        (run with min_left_s=-inf) always run."""
+        self.out_path, self.deadline, self.prefix, self.only = out_path, deadline, prefix, only
         self.data: dict = {"phases": {}}
         self.failing = {s.strip() for s in os.environ.get(FAIL_ENV, "").split(",") if s.strip()}
         self.hanging = {s.strip() for s in os.environ.get(HANG_ENV, "").split(",") if s.strip()}
@@ -52,6 +55,10 @@ class Phases:
         """Runs fn() -> dict (stored under data[into or name]) unless less than min_left_s remain. True if it
         ran without error."""
         record = self.data["phases"].setdefault(name, {})
+        if self.only and min_left_s != -float("inf") and not any(fnmatch.fnmatch(name, p) for p in self.only):
+            record.update(status="skipped", reason="not selected (--phases)")
+            self.save()
+            return False
         if self.left() < min_left_s:
             record.update(status="skipped", reason=f"{self.left():.0f} s left of the time budget, need "
                                                     f"{min_left_s:.0f} s")

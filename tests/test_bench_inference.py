@@ -1,6 +1,6 @@
 """The inference benchmark's bookkeeping on the CPU (benchmarks/inference_phases.py, benchmarks/bench_inference.py):
 a failing phase is recorded and the next one runs, phases are skipped near the deadline, the JSON is re-written
-after each phase, timing respects its deadline, the ratios and greedy comparison tolerate missing halves, and the
+after each phase, --phases selects measurements, timing respects its deadline, the ratios and greedy comparison tolerate missing halves, and the
 chunked on-device init keeps the model's shapes and dtypes."""
 
 import json
@@ -35,6 +35,14 @@ def test_phases_record_errors_skips_and_write_after_each(tmp_path, monkeypatch):
     status = {k: v["status"] for k, v in data["phases"].items()}
     assert status == {"good": "ok", "bad": "error", "raises": "error", "late": "skipped", "required": "ok"}
     assert "ZeroDivisionError" in data["phases"]["raises"]["error"] and "late" not in data
+
+
+def test_phases_run_only_the_selected_measurements_and_every_setup(tmp_path):
+    phases = Phases(str(tmp_path / "p.json"), deadline=1e18, prefix="t", only=["decode_compiled_*", "compile"])
+    assert phases.run("load", lambda: {}, min_left_s=-float("inf"))
+    assert phases.run("compile", lambda: {}) and phases.run("decode_compiled_64", lambda: {})
+    assert not phases.run("decode_eager_64", lambda: {}) and not phases.run("scoring_compiled_8x4096", lambda: {})
+    assert phases.data["phases"]["decode_eager_64"] == {"status": "skipped", "reason": "not selected (--phases)"}
 
 
 def test_timed_stops_at_the_deadline():
