@@ -73,6 +73,11 @@ def is_layer_slices(x) -> bool:
     return isinstance(x, LayerSlices)
 
 
+def holds_layer_slices(tree) -> bool:
+    """Whether any leaf of tree is a LayerSlices (a per-layer view, model/compute_view.py)."""
+    return any(map(is_layer_slices, jax.tree.leaves(tree, is_leaf=is_layer_slices)))
+
+
 def stack_layer_slices(tree):
     """tree with every LayerSlices replaced by its stacked [L, ...] array."""
     return jax.tree.map(lambda x: jnp.stack(x.slices) if is_layer_slices(x) else x, tree, is_leaf=is_layer_slices)

@@ -43,8 +43,8 @@ class RoutingStats(NamedTuple):
 # data, so that its sampling error, about 1 / sqrt(SOLVE_TOKENS / E) of each expert's share, differs between
 # microbatches and layers instead of adding up over a step. Once the router has learned, many tokens sit in tight
 # clusters of nearly equal scores shared by several experts, and plain rounds settle slowly there (16 left some
-# forwards 1.5x off balance, 32 fewer); with the momentum, 24 rounds settle them better than 32 plain ones. Each round
-# is a chain of small launch-bound kernels, so rounds are the solve's cost. The measurements that chose these are in
+# forwards 1.5x off balance, 32 fewer); with the momentum, 24 rounds settle them better than 32 plain ones. A round's
+# cost is mostly its sort of the margins, so rounds are the solve's cost. The measurements that chose these are in
 # docs/routing.md.
 SOLVE_ROUNDS = 24
 SOLVE_TOKENS = 2048

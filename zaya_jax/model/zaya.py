@@ -21,7 +21,7 @@ from zaya_jax.model import embedding_tap, routing_stats
 from zaya_jax.model.base import RMSNormWeight, dtypes, normal_init
 from zaya_jax.model.cca import rope_inv_freq
 from zaya_jax.model.layer import DecoderLayer
-from zaya_jax.model.layer_stack import is_layer_slices, unstack_layers
+from zaya_jax.model.layer_stack import holds_layer_slices, unstack_layers
 from zaya_jax.model.loss import head_logits
 from zaya_jax.ops import rmsnorm as norm_ops
 
@@ -138,7 +138,7 @@ class ZayaModel(nnx.Module):
             body, unrolled_body = remat(body), remat(unrolled_body)
         xs = (layer_state, state_scale, inv_freq, windows)
         if cfg.scan_layers:
-            if any(map(is_layer_slices, jax.tree.leaves(layer_state, is_leaf=is_layer_slices))):
+            if holds_layer_slices(layer_state):
                 raise ValueError("a per-layer parameter view (model/compute_view.py, per_layer=True) needs the "
                                  "layers unrolled (scan_layers=False); lax.scan reads them stacked")
             (h, _), counts = jax.lax.scan(body, (h, router_state), xs)
@@ -192,7 +192,7 @@ class ZayaModel(nnx.Module):
             return (h, r), (cca_l, produced["state"])
 
         xs = (layer_params, state_scale, inv_freq, windows, cca_state, attend_state)
-        if any(map(is_layer_slices, jax.tree.leaves(layer_params, is_leaf=is_layer_slices))):
+        if holds_layer_slices(layer_params):
             # per-layer weight arrays (compute_view per_layer): each layer reads its own buffers, where the scan's
             # slice of a stacked weight is a copy of it in every step
             carry, produced = (h, router_state), []
