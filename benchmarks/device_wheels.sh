@@ -20,7 +20,7 @@ mkdir -p .whl .whl-eval
 binary .whl ml_collections tensorboardX grain array_record portpicker
 cp ../shared/wheels/transformers-5.2[3-9]*.whl .whl/
 binary .whl-eval lm_eval datasets dill multiprocess evaluate more-itertools pytablewriter DataProperty mbstrdecoder \
-  pathvalidate tabledata tcolorpy typepy chardet nltk fsspec
+  pathvalidate tabledata tcolorpy typepy chardet nltk fsspec pytz
 "${pip[@]}" wheel -q --no-deps -w .whl-eval "rouge_score==$(version rouge_score)" "sqlitedict==$(version sqlitedict)" \
   "word2number==$(version word2number)"
 du -sh .whl .whl-eval

@@ -3,9 +3,7 @@ kernels grouped by HLO op (total time per generated token, count per token), aga
 (which includes the prefill).
 
 python -m benchmarks.profile_decode [--preset zaya1_8b] [--batch 1] [--prompt 512] [--new-tokens 64]
-                                    [--kernels auto|xla] [--unrolled] [--per-layer] [--out FILE.json]
---unrolled: the layers as straight-line code (scan_layers=False) instead of a scan over the stacked weights.
---per-layer: the decoder's own per-layer weight arrays (Decoder per_layer), its layers unrolled."""
+                                    [--kernels auto|xla] [--out FILE.json]"""
 
 from __future__ import annotations
 
@@ -22,7 +20,6 @@ from benchmarks.bench_inference import init_model
 from benchmarks.systems import profile_trace
 from zaya_jax.inference.decoder import Decoder
 from zaya_jax.inference.generate import generate_padded
-from zaya_jax.inference.kernels import with_config
 
 
 def main():
@@ -32,15 +29,11 @@ def main():
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--kernels", default="auto", choices=["auto", "xla"])
-    ap.add_argument("--unrolled", action="store_true")
-    ap.add_argument("--per-layer", action="store_true")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     model = init_model(args.preset)
-    if args.unrolled:
-        model = with_config(model, model.cfg.replace(scan_layers=False))
-    decoder = Decoder(model, kernels=args.kernels, per_layer=args.per_layer)
+    decoder = Decoder(model, kernels=args.kernels)
     ids = np.random.default_rng(0).integers(3, model.cfg.vocab_size, (args.batch, args.prompt)).astype(np.int32)
 
     def run():
@@ -64,7 +57,7 @@ def main():
     busy_ms = sum(v[0] for v in per_op.values()) / 1e6
     top = sorted(per_op.items(), key=lambda kv: -kv[1][0])[:args.top]
     report = dict(preset=args.preset, batch=args.batch, prompt=args.prompt, new_tokens=tokens, kernels=args.kernels,
-                  unrolled=args.unrolled, per_layer=args.per_layer, device=jax.devices()[0].device_kind,
+                  device=jax.devices()[0].device_kind,
                   wall_s_median=float(np.median(walls)),
                   wall_ms_per_token=float(np.median(walls)) * 1e3 / tokens,
                   kernel_ms_per_token=busy_ms / tokens, kernels_per_token=len(ops) / tokens, lines=lines,

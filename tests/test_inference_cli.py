@@ -59,6 +59,23 @@ def test_generate_cli_from_orbax_and_hf_checkpoints(tmp_path, capsys):
     assert all(p + t in printed for p, t in zip(PROMPTS, expected))
 
 
+def test_a_bf16_load_stores_bf16_parameters_from_both_formats(tmp_path):
+    """Inference in bf16 holds the parameters in bf16 (the fp32 file's values rounded once), not an fp32 copy cast
+    on every call; the balancing biases stay fp32."""
+    model = random_model(CFG, seed=9)
+    save_training_checkpoint(model, tmp_path / "run", step=3)
+    hf_dir = zaya_jax.to_hf(model, tmp_path / "hf")
+    want = [np.asarray(x.astype(jnp.bfloat16)) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+    for path in (tmp_path / "run", hf_dir):
+        loaded = load_model(path, dtype="bfloat16")
+        assert loaded.cfg.param_dtype == "bfloat16"
+        got = jax.tree.leaves(nnx.state(loaded, nnx.Param))
+        assert [x.dtype for x in got] == [jnp.bfloat16] * len(want)
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(a), b)
+        assert {x.dtype for x in jax.tree.leaves(nnx.state(loaded, BalancingBias))} == {jnp.dtype(jnp.float32)}
+
+
 def test_missing_orbax_step_is_reported(tmp_path):
     model = random_model(CFG, seed=9)
     save_training_checkpoint(model, tmp_path, step=3)

@@ -1,5 +1,5 @@
-"""The fixed-shape decode cache: every layer's K/V, CCA convolution halo and delayed value, stacked on the layer
-axis so the layer scan reads and writes one slice per layer.
+"""The fixed-shape decode cache: every layer's K/V, CCA convolution halo and delayed value, held per layer
+(LayerSlices) so that each step writes the new token into the layer's own buffers in place.
 
 Rows are left-padded as in HF generation: all rows write the same slot `index`, `kv_valid` marks which slots
 hold real tokens (pads never become keys) and `lengths` counts each row's real tokens, which is also the RoPE
@@ -14,21 +14,21 @@ import jax
 import jax.numpy as jnp
 
 from zaya_jax.model.cca import CCAState
-from zaya_jax.model.layer_stack import stack_layer_slices
+from zaya_jax.model.layer_stack import LayerSlices, is_layer_slices
 from zaya_jax.model.zaya import ZayaForCausalLM
 from zaya_jax.ops import attention as attention_ops
 
 
 @dataclasses.dataclass
 class KVCache:
-    k: jax.Array  # [L, B, S, KV, d] keys after QK-norm, key temperature and RoPE (what HF caches)
-    v: jax.Array  # [L, B, S, KV, d] values (head 0 current-token, head 1 delayed projection)
+    k: LayerSlices  # L x [B, S, KV, d] keys after QK-norm, key temperature and RoPE (what HF caches)
+    v: LayerSlices  # L x [B, S, KV, d] values (head 0 current-token, head 1 delayed projection)
 
 
 @dataclasses.dataclass
 class DecodeCache:
     kv: KVCache
-    cca: CCAState  # conv [L, B, P, C] last raw [q | k] columns; value [L, B, KV*d/2] last delayed projection
+    cca: CCAState  # conv L x [B, P, C] last raw [q | k] columns; value L x [B, KV*d/2] last delayed projection
     kv_valid: jax.Array  # [B, S] bool: slot holds a real (non-pad) token
     lengths: jax.Array  # [B] int32: real tokens so far = RoPE position of the next token
     index: jax.Array  # [] int32: slots written so far (shared by all rows)
@@ -49,16 +49,20 @@ def init_cache(model: ZayaForCausalLM, batch: int, max_length: int) -> DecodeCac
     cfg = model.cfg
     dt = jnp.dtype(cfg.dtype)
     L, KV, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
-    kv_shape = (L, batch, max_length, KV, d)
+
+    def per_layer(shape):
+        return LayerSlices(jnp.zeros(shape, dt) for _ in range(L))
+
     v_delayed = model.model.layers.self_attn.qkv_proj.v_proj_delayed
     if v_delayed.bias is None:
-        value = jnp.zeros((L, batch, KV * d // 2), dt)
+        value = per_layer((batch, KV * d // 2))
     else:  # Linear adds its bias in fp32, then casts
-        bias = stack_layer_slices(v_delayed.bias.get_value())  # per-layer arrays in a per_layer Decoder
-        value = jnp.broadcast_to(bias.astype(jnp.float32).astype(dt)[:, None], (L, batch, KV * d // 2))
+        bias = v_delayed.bias.get_value()  # per-layer arrays in a Decoder's parameters
+        rows = bias.slices if is_layer_slices(bias) else tuple(bias)
+        value = LayerSlices(jnp.broadcast_to(b.astype(jnp.float32).astype(dt), (batch, KV * d // 2)) for b in rows)
     return DecodeCache(
-        kv=KVCache(jnp.zeros(kv_shape, dt), jnp.zeros(kv_shape, dt)),
-        cca=CCAState(conv=jnp.zeros((L, batch, cfg.conv_halo, cfg.conv_channels), dt), value=value),
+        kv=KVCache(per_layer((batch, max_length, KV, d)), per_layer((batch, max_length, KV, d))),
+        cca=CCAState(conv=per_layer((batch, cfg.conv_halo, cfg.conv_channels)), value=value),
         kv_valid=jnp.zeros((batch, max_length), bool),
         lengths=jnp.zeros((batch,), jnp.int32),
         index=jnp.zeros((), jnp.int32))

@@ -56,15 +56,14 @@ class Decoder:
     'prefill' choice (graphdef), single-token steps and bound loops with the 'decode' one (step_graphdef); both
     read the same parameters (state).
 
-    per_layer: the decoder holds each layer's weights as their own arrays (model/compute_view.py, LayerSlices; a copy
-    of the layer weights, made once) and runs the layers unrolled, so that a step reads them in place; over stacked
-    weights the layer scan copies each layer's slice in every step."""
+    The decoder holds each layer's weights as their own arrays (model/compute_view.py, LayerSlices: a copy of the
+    model's layer weights, made once), so that every step reads them in place; a scan over the stacked weights
+    copies each layer's slice in every step (docs/experiments.md)."""
 
-    def __init__(self, model: ZayaForCausalLM, *, kernels: str | None = None, per_layer: bool = False):
+    def __init__(self, model: ZayaForCausalLM, *, kernels: str | None = None):
         self.cfg = model.cfg
         self.graphdef, self.state = nnx.split(with_kernels(model, kernels, "prefill"))
-        if per_layer:
-            self.state = compute_view(self.state, per_layer=True)
+        self.state = compute_view(self.state, per_layer=True)
         self.step_graphdef = nnx.split(with_kernels(model, kernels, "decode"))[0]
         self._prefill = jax.jit(functools.partial(_prefill, self.graphdef), donate_argnums=1,
                                 static_argnames="all_logits")

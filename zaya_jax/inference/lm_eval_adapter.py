@@ -43,8 +43,16 @@ class ZayaLM(LM):
         self.prefix_token = prefix
         self.scorer = Scorer(model, max_length=max_length, batch_size=batch_size, pad_id=self.pad_id,
                              kernels=kernels)
-        self.decoder = Decoder(model, kernels=kernels)
+        self._model, self._kernels, self._decoder = model, kernels, None
         self._key = jax.random.key(seed)
+
+    @property
+    def decoder(self) -> Decoder:
+        """Built on the first generation request: it holds its own per-layer copy of the layer weights, which
+        log-likelihood tasks never need."""
+        if self._decoder is None:
+            self._decoder = Decoder(self._model, kernels=self._kernels)
+        return self._decoder
 
     @classmethod
     def from_checkpoint(cls, checkpoint: str, *, tokenizer: str | None = None, dtype: str = "float32",

@@ -21,7 +21,7 @@ from zaya_jax.model import embedding_tap, routing_stats
 from zaya_jax.model.base import RMSNormWeight, dtypes, normal_init
 from zaya_jax.model.cca import rope_inv_freq
 from zaya_jax.model.layer import DecoderLayer
-from zaya_jax.model.layer_stack import holds_layer_slices, unstack_layers
+from zaya_jax.model.layer_stack import LayerSlices, holds_layer_slices, unstack_layers
 from zaya_jax.model.loss import head_logits
 from zaya_jax.ops import rmsnorm as norm_ops
 
@@ -155,54 +155,41 @@ class ZayaModel(nnx.Module):
 
     def forward_with_layer_state(self, input_ids, *, positions, cca_state, attend_state, attend,
                                  attention_mask=None):
-        """The forward for inference caches: each layer reads and returns its own slice of per-layer state.
+        """The forward for inference caches: each layer reads and returns its own part of per-layer state.
 
         cca_state: CCAState whose leaves have a leading layer axis ([L, B, P, C] halo, [L, B, KV*d/2] value);
         attend_state: any pytree with a leading layer axis (e.g. K/V caches); attend(attend_state_l, q, k, v,
         sliding_window) -> (o, new attend_state_l) replaces the layer's attention. attention_mask [B, T] zeroes
         padded tokens before the CCA projections (as HF does for multi-token inputs).
-        Returns (final normed hidden states [B, T, D], new cca_state, new attend_state), leading axes as given.
-        Layers run under lax.scan, or unrolled when the layer parameters are per-layer arrays (LayerSlices,
-        model/compute_view.py per_layer), without remat: this path is never differentiated."""
+        Returns (final normed hidden states [B, T, D], new cca_state, new attend_state), the layer axis held as
+        LayerSlices. The layers run unrolled, without remat (this path is never differentiated): parameters and
+        state held as LayerSlices (model/compute_view.py per_layer, inference/cache.py) are read and written in
+        place, where a layer scan would copy each layer's slice of the stacked arrays on every call."""
         cfg = self.cfg
         dt = dtypes(cfg)[0]
         B, T = input_ids.shape
         e = embedding_tap.lookup(self.embed_tokens.weight.get_value(), input_ids)
         h = (e + self.input_hidden_states_bias[...].astype(jnp.float32)) * self.input_hidden_states_scale[...].astype(
             jnp.float32)
-        router_state = jnp.zeros((B, T, cfg.router_hidden_size), jnp.float32)
+        r = jnp.zeros((B, T, cfg.router_hidden_size), jnp.float32)
         state_scale, inv_freq, windows = self._per_layer_inputs()
         uniform_window = cfg.sliding_window if set(cfg.layer_types) == {"hybrid_sliding"} else None
         graphdef, layer_params = nnx.split(self.layers)
-
-        def body(carry, xs):
-            h, r = carry
-            params, scale, freq, window, cca_l, attend_l = xs
-            layer = nnx.merge(graphdef, params)
+        xs = (layer_params, state_scale, inv_freq, windows, cca_state, attend_state)
+        produced = []
+        for params, scale, freq, window, cca_l, attend_l in unstack_layers(xs, cfg.num_hidden_layers):
             window_arg = window if windows is not None and uniform_window is None else uniform_window
-            produced = {}
+            new_attend = {}
 
-            def layer_attend(q, k, v):
-                o, produced["state"] = attend(attend_l, q, k, v, window_arg)
+            def layer_attend(q, k, v, attend_l=attend_l, window_arg=window_arg, new_attend=new_attend):
+                o, new_attend["state"] = attend(attend_l, q, k, v, window_arg)
                 return o
 
-            h, r, _, cca_l = layer(h, r, state_scale=scale, positions=positions, inv_freq=freq,
-                                   sliding_window=window_arg, attention_mask=attention_mask, cca_state=cca_l,
-                                   attend=layer_attend)
-            return (h, r), (cca_l, produced["state"])
-
-        xs = (layer_params, state_scale, inv_freq, windows, cca_state, attend_state)
-        if holds_layer_slices(layer_params):
-            # per-layer weight arrays (compute_view per_layer): each layer reads its own buffers, where the scan's
-            # slice of a stacked weight is a copy of it in every step
-            carry, produced = (h, router_state), []
-            for layer_xs in unstack_layers(xs, cfg.num_hidden_layers):
-                carry, out = body(carry, layer_xs)
-                produced.append(out)
-            h = carry[0]
-            cca_state, attend_state = jax.tree.map(lambda *layers: jnp.stack(layers), *produced)
-        else:
-            (h, _), (cca_state, attend_state) = jax.lax.scan(body, (h, router_state), xs)
+            h, r, _, cca_l = nnx.merge(graphdef, params)(
+                h, r, state_scale=scale, positions=positions, inv_freq=freq, sliding_window=window_arg,
+                attention_mask=attention_mask, cca_state=cca_l, attend=layer_attend)
+            produced.append((cca_l, new_attend["state"]))
+        cca_state, attend_state = jax.tree.map(lambda *layers: LayerSlices(layers), *produced)
         y = norm_ops.rms_norm(h, self.norm.weight[...], cfg.rms_norm_eps, dt, impl=cfg.norm_impl)
         return y, cca_state, attend_state
 
