@@ -10,7 +10,8 @@ WORK receives the task (WORK/task: YAML, loader and JSON lines, generated with a
 bf16 safetensors written by to_hf from one jitted init, and a byte-level BPE tokenizer.json trained on the task's text
 that both sides read) and each run's samples. A run is SIDE:DTYPE; the driver writes --out after every run. Scores
 are compared per dtype: accuracies, the questions whose chosen answer differs, the largest per-choice log-likelihood
-difference. On the GPU machine lm_eval and its dependencies travel as wheels (benchmarks/device_wheels.sh). On the
+difference; each bf16 run is also compared with HF's fp32 run (a random model's choices are near ties, so bf16
+rounding flips some: how many, ours next to HF's own bf16). On the GPU machine lm_eval and its dependencies travel as wheels (benchmarks/device_wheels.sh). On the
 CPU: --preset tiny --questions 30 --hf-python .venv-ref/bin/python --device cpu.
 """
 
@@ -115,18 +116,25 @@ def task_texts(docs: list[dict]) -> list[str]:
     return [f"Question: {d['question']}\nAnswer: " + " ".join(d["choices"]) for d in docs]
 
 
-def export(preset: str, directory: str, docs: list[dict]) -> dict:
-    if os.path.isfile(os.path.join(directory, "config.json")):
+def export(preset: str, work: str, questions: int) -> dict:
+    """Runs the export as a child process: JAX's memory pool in this driver would stay reserved through the runs."""
+    if os.path.isfile(os.path.join(work, "hf", "config.json")):
         return {"export": "reused"}
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "benchmarks.lm_eval_h200", work, "--preset", preset, "--questions", str(questions),
+                    "--export-child"],
+                   check=True)
+    return {"export_s": round(time.perf_counter() - start, 1)}
+
+
+def export_child(preset: str, directory: str, docs: list[dict]) -> None:
     import jax.numpy as jnp
 
     from benchmarks.bench_inference import init_model
     from zaya_jax.checkpoint.hf import to_hf
-    start = time.perf_counter()
     model = init_model(preset)
     to_hf(model, directory, dtype=jnp.bfloat16)
     write_bpe_tokenizer(directory, task_texts(docs), vocab_size=min(2048, model.cfg.vocab_size))
-    return {"export_s": round(time.perf_counter() - start, 1)}
 
 
 def run_side(side: str, dtype: str, work: str, batch_size: int, hf_python: str, device: str) -> dict:
@@ -165,9 +173,11 @@ def compare(a: dict, b: dict) -> dict:
 
     x, y = load(a["samples"]), load(b["samples"])
     docs = sorted(set(x) & set(y))
+    diff = np.array([np.abs(x[d] - y[d]).max() for d in docs])  # per question, the largest over its choices
     return dict(questions=len(docs), acc_equal=a["acc"] == b["acc"], acc_norm_equal=a["acc_norm"] == b["acc_norm"],
                 chosen_answer_differs=int(sum(np.argmax(x[d]) != np.argmax(y[d]) for d in docs)),
-                max_abs_loglikelihood_diff=float(max(np.abs(x[d] - y[d]).max() for d in docs)),
+                loglikelihood_diff_p50=float(np.median(diff)), loglikelihood_diff_p99=float(np.percentile(diff, 99)),
+                max_abs_loglikelihood_diff=float(diff.max()), questions_diff_above_1e_4=int((diff > 1e-4).sum()),
                 mean_abs_loglikelihood=float(np.mean([np.abs(x[d]).mean() for d in docs])))
 
 
@@ -181,10 +191,14 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--hf-python", default=sys.executable, help="a Python with torch, transformers and lm_eval")
     ap.add_argument("--device", default="cuda", help="the hf backend's torch device")
+    ap.add_argument("--export-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     docs = write_task(os.path.join(args.work, "task"), args.questions)
-    result = dict(preset=args.preset, questions=args.questions, batch_size=args.batch_size, runs={}, agreement={})
-    result.update(export(args.preset, os.path.join(args.work, "hf"), docs))
+    if args.export_child:
+        return export_child(args.preset, os.path.join(args.work, "hf"), docs)
+    result = dict(preset=args.preset, questions=args.questions, batch_size=args.batch_size, runs={}, agreement={},
+                  against_hf_float32={})
+    result.update(export(args.preset, args.work, args.questions))
     for run in args.runs.split(","):
         side, dtype = run.split(":")
         result["runs"][run] = run_side(side, dtype, args.work, args.batch_size, args.hf_python, args.device)
@@ -193,6 +207,11 @@ def main():
         if ours.get("status") == hf.get("status") == "ok":
             result["agreement"][dtype] = compare(ours, hf)
             print(dtype, result["agreement"][dtype], flush=True)
+        reference = result["runs"].get("hf:float32", {})
+        if reference.get("status") == "ok":  # each bf16 run's distance from the fp32 answer, ours next to HF's
+            for name, r in result["runs"].items():
+                if name.endswith(":bfloat16") and r.get("status") == "ok":
+                    result["against_hf_float32"][name] = compare(r, reference)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
