@@ -43,8 +43,12 @@ def main(argv=None):
         from lm_eval.utils import make_table
     except ImportError:
         sys.exit("evaluate_lm: lm_eval is not installed (pip install lm_eval)")
+    import jax
+
     from zaya_jax.inference.lm_eval_adapter import ZayaLM
 
+    if args.dtype == "float32":  # fp32 GEMMs, as HF's fp32: JAX's default lets a GPU round their inputs to TF32
+        jax.config.update("jax_default_matmul_precision", "highest")
     lm = ZayaLM.from_checkpoint(args.checkpoint, tokenizer=args.tokenizer, dtype=args.dtype, step=args.step,
                                 kernels=args.kernels, max_length=args.max_length, batch_size=args.batch_size,
                                 max_gen_toks=args.max_gen_toks, seed=args.seed)

@@ -42,6 +42,8 @@ def main(argv=None):
                     help="token id that ends a row (repeatable; default: the tokenizer's EOS)")
     args = ap.parse_args(argv)
 
+    if args.dtype == "float32":  # fp32 GEMMs, as HF's fp32: JAX's default lets a GPU round their inputs to TF32
+        jax.config.update("jax_default_matmul_precision", "highest")
     try:
         sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
         model = load_model(args.checkpoint, dtype=args.dtype, step=args.step)
