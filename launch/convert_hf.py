@@ -34,7 +34,8 @@ def main(argv=None):
     ap.add_argument("--check", action="store_true", help="print parameter counts and a logits checksum")
     ap.add_argument("--roundtrip", metavar="OUT_DIR", help="export the loaded model to OUT_DIR")
     ap.add_argument("--count", choices=sorted(PRESETS), help="print the parameter counts of a preset")
-    ap.add_argument("--dtype", default="float32", help="compute dtype for --check (float32 | bfloat16)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                    help="compute dtype for --check")
     ap.add_argument("--save-dtype", default=None, help="dtype of the exported tensors (default: the dtype "
                     "HF_DIR's config.json declares, else as loaded)")
     ap.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES)

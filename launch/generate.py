@@ -30,7 +30,8 @@ def main(argv=None):
     ap.add_argument("--tokenizer", default=None, help="'byte', tokenizer.json or a folder holding one (default: "
                     "the checkpoint folder for HF directories, else the run's recorded tokenizer, DIR/run.json)")
     ap.add_argument("--step", type=int, default=None, help="Orbax checkpoint step (default: latest)")
-    ap.add_argument("--dtype", default="float32", help="compute dtype: float32 | bfloat16")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                    help="compute dtype (the parameters are held in it; float16 computes from fp32 ones)")
     ap.add_argument("--kernels", choices=["auto", "xla"], default="auto", help="auto: the platform's fast kernels "
                     "(Pallas on GPU), xla: the XLA implementations (zaya_jax/inference/kernels.py)")
     ap.add_argument("--max-new-tokens", type=int, default=64)

@@ -29,10 +29,12 @@ def is_hf_directory(path) -> bool:
 
 
 def load_model(path, *, dtype: str = "float32", step: int | None = None, **overrides) -> ZayaForCausalLM:
-    """`dtype` is the compute dtype, and the parameters are stored in it too (inference keeps no fp32 master copy:
-    at ZAYA1-8B size that would be 33 GB read and cast on every call); `overrides` set other non-HF ModelConfig
-    fields (moe_impl, attention_impl, param_dtype). The balancing biases stay fp32."""
-    overrides.setdefault("param_dtype", jnp.dtype(dtype).name)
+    """`dtype` is the compute dtype, and the parameters are stored in it too when it is a parameter dtype (float32,
+    bfloat16; float16 computes from fp32 parameters): inference keeps no fp32 master copy to read and cast on every
+    call. `overrides` set other non-HF ModelConfig fields (moe_impl, attention_impl, param_dtype). The balancing
+    biases stay fp32."""
+    name = jnp.dtype(dtype).name
+    overrides.setdefault("param_dtype", name if name in ("float32", "bfloat16") else "float32")
     if is_hf_directory(path):
         if step is not None:
             raise ValueError(f"{path} is a Hugging Face directory: it has no steps to choose from")
