@@ -11,7 +11,8 @@ bf16 safetensors written by to_hf from one jitted init, and a byte-level BPE tok
 that both sides read) and each run's samples. A run is SIDE:DTYPE; the driver writes --out after every run. Scores
 are compared per dtype: accuracies, the questions whose chosen answer differs, the largest per-choice log-likelihood
 difference; each bf16 run is also compared with HF's fp32 run (a random model's choices are near ties, so bf16
-rounding flips some: how many, ours next to HF's own bf16). On the GPU machine lm_eval and its dependencies travel as wheels (benchmarks/device_wheels.sh). On the
+rounding flips some: how many, ours next to HF's own bf16). Our runs also record evaluate_lm's own split of its time
+(load, compile, log-likelihoods). On the GPU machine lm_eval and its dependencies travel as wheels (benchmarks/device_wheels.sh). On the
 CPU: --preset tiny --questions 30 --hf-python .venv-ref/bin/python --device cpu.
 """
 
@@ -21,6 +22,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -156,14 +158,18 @@ def run_side(side: str, dtype: str, work: str, batch_size: int, hf_python: str, 
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         return dict(status="error", wall_s=round(wall, 1), stderr=proc.stderr[-3000:])
+    timing = {}
     if side == "ours":
         results = json.load(open(os.path.join(out_dir, "results.json")))[TASK]
         samples = os.path.join(out_dir, "samples.jsonl")
+        m = re.search(r"loaded in ([\d.]+) s; log-likelihoods ([\d.]+) s after ([\d.]+) s compiling", proc.stderr)
+        if m:
+            timing = dict(zip(("load_s", "loglikelihood_s", "compile_s"), map(float, m.groups())))
     else:
         results = json.load(open(glob.glob(os.path.join(out_dir, "*", "results_*.json"))[0]))["results"][TASK]
         samples = glob.glob(os.path.join(out_dir, "*", f"samples_{TASK}_*.jsonl"))[0]
     return dict(status="ok", wall_s=round(wall, 1), acc=results["acc,none"], acc_norm=results["acc_norm,none"],
-                samples=samples)
+                samples=samples, **timing)
 
 
 def compare(a: dict, b: dict) -> dict:

@@ -10,6 +10,7 @@ PATH: a Hugging Face ZAYA directory or an Orbax training run (see launch.generat
 import argparse
 import json
 import sys
+import time
 
 from launch._cli import ArgumentParser, user_errors
 
@@ -48,16 +49,22 @@ def main(argv=None):
 
     from zaya_jax.inference.lm_eval_adapter import ZayaLM
 
-    if args.dtype == "float32":  # fp32 GEMMs, as HF's fp32: JAX's default lets a GPU round their inputs to TF32
-        jax.config.update("jax_default_matmul_precision", "highest")
-    lm = ZayaLM.from_checkpoint(args.checkpoint, tokenizer=args.tokenizer, dtype=args.dtype, step=args.step,
-                                kernels=args.kernels, max_length=args.max_length, batch_size=args.batch_size,
-                                max_gen_toks=args.max_gen_toks, seed=args.seed)
-    out = lm_eval.simple_evaluate(model=lm, tasks=args.tasks.split(","), num_fewshot=args.num_fewshot,
-                                  limit=args.limit, task_manager=TaskManager(include_path=args.include_path),
-                                  random_seed=args.seed, numpy_random_seed=args.seed, bootstrap_iters=0,
-                                  log_samples=args.samples is not None)
+    # fp32 GEMMs for float32, as HF's fp32: JAX's default lets a GPU round their inputs to TF32
+    with jax.default_matmul_precision("highest" if args.dtype == "float32" else None):
+        start = time.perf_counter()
+        lm = ZayaLM.from_checkpoint(args.checkpoint, tokenizer=args.tokenizer, dtype=args.dtype, step=args.step,
+                                    kernels=args.kernels, max_length=args.max_length, batch_size=args.batch_size,
+                                    max_gen_toks=args.max_gen_toks, seed=args.seed)
+        loaded = time.perf_counter()
+        out = lm_eval.simple_evaluate(model=lm, tasks=args.tasks.split(","), num_fewshot=args.num_fewshot,
+                                      limit=args.limit, task_manager=TaskManager(include_path=args.include_path),
+                                      random_seed=args.seed, numpy_random_seed=args.seed, bootstrap_iters=0,
+                                      log_samples=args.samples is not None)
     print(make_table(out))
+    seconds = lm.scorer.seconds
+    print(f"evaluate_lm: loaded in {loaded - start:.1f} s; log-likelihoods {seconds['scoring']:.1f} s after "
+          f"{seconds['compile']:.1f} s compiling {len(lm.scorer.compiled_lengths)} sequence length(s); "
+          f"{time.perf_counter() - start:.1f} s in all", file=sys.stderr)
     if args.output:
         with open(args.output, "w") as f:
             json.dump(out["results"], f, indent=1, default=str)

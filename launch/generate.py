@@ -43,16 +43,17 @@ def main(argv=None):
                     help="token id that ends a row (repeatable; default: the tokenizer's EOS)")
     args = ap.parse_args(argv)
 
-    if args.dtype == "float32":  # fp32 GEMMs, as HF's fp32: JAX's default lets a GPU round their inputs to TF32
-        jax.config.update("jax_default_matmul_precision", "highest")
     try:
         sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
         model = load_model(args.checkpoint, dtype=args.dtype, step=args.step)
     except ValueError as e:  # sampling values, --step of an HF directory (user_errors reports checkpoint errors)
         raise UsageError(str(e)) from e
     tokenizer = load_tokenizer(args.tokenizer or default_tokenizer(args.checkpoint))
-    texts = complete(Decoder(model, kernels=args.kernels), tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
-                     sampling=sampling, key=jax.random.key(args.seed), stop_tokens=args.stop_token)
+    # fp32 GEMMs for float32, as HF's fp32: JAX's default lets a GPU round their inputs to TF32
+    with jax.default_matmul_precision("highest" if args.dtype == "float32" else None):
+        texts = complete(Decoder(model, kernels=args.kernels), tokenizer, args.prompt,
+                         max_new_tokens=args.max_new_tokens, sampling=sampling, key=jax.random.key(args.seed),
+                         stop_tokens=args.stop_token)
     for prompt, text in zip(args.prompt, texts):
         print(f"{prompt}{text}")
     return texts

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -106,7 +107,7 @@ def test_multiple_choice_accuracy_matches_direct_loop(model, direct_mc, offline_
         np.testing.assert_allclose(ours, direct_mc[s["doc_id"]][2], rtol=1e-5, atol=1e-5)
 
 
-def test_evaluate_lm_cli_on_an_exported_checkpoint(model, direct_mc, offline_datasets, tmp_path, monkeypatch):
+def test_evaluate_lm_cli_on_an_exported_checkpoint(model, direct_mc, offline_datasets, tmp_path, monkeypatch, capsys):
     from launch import evaluate_lm
 
     monkeypatch.setattr(lm_eval.tasks, "TaskManager", toy_tasks_only)  # the CLI imports it when it runs
@@ -118,6 +119,9 @@ def test_evaluate_lm_cli_on_an_exported_checkpoint(model, direct_mc, offline_dat
     assert results["zaya_toy_mc"]["acc,none"] == pytest.approx(np.mean([d[0] for d in direct_mc[:limit]]))
     assert json.loads((tmp_path / "results.json").read_text())["zaya_toy_mc"]["acc,none"] == \
         results["zaya_toy_mc"]["acc,none"]
+    timing = re.search(r"evaluate_lm: loaded in [\d.]+ s; log-likelihoods [\d.]+ s after [\d.]+ s compiling (\d+) "
+                       r"sequence length", capsys.readouterr().err)
+    assert timing and int(timing.group(1)) >= 1
 
 
 def test_rolling_loglikelihood_matches_lm_eval_windows(model, direct_logprobs):
