@@ -49,11 +49,12 @@ def main(argv=None):
     except ValueError as e:  # sampling values, --step of an HF directory (user_errors reports checkpoint errors)
         raise UsageError(str(e)) from e
     tokenizer = load_tokenizer(args.tokenizer or default_tokenizer(args.checkpoint))
+    decoder = Decoder(model, kernels=args.kernels)
+    del model  # the decoder holds its own per-layer copy of the layer weights: free the stacked ones
     # fp32 GEMMs for float32, as HF's fp32: JAX's default lets a GPU round their inputs to TF32
     with jax.default_matmul_precision("highest" if args.dtype == "float32" else None):
-        texts = complete(Decoder(model, kernels=args.kernels), tokenizer, args.prompt,
-                         max_new_tokens=args.max_new_tokens, sampling=sampling, key=jax.random.key(args.seed),
-                         stop_tokens=args.stop_token)
+        texts = complete(decoder, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                         key=jax.random.key(args.seed), stop_tokens=args.stop_token)
     for prompt, text in zip(args.prompt, texts):
         print(f"{prompt}{text}")
     return texts
