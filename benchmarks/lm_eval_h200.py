@@ -12,8 +12,8 @@ that both sides read) and each run's samples. A run is SIDE:DTYPE; the driver wr
 are compared per dtype: accuracies, the questions whose chosen answer differs, the largest per-choice log-likelihood
 difference; each bf16 run is also compared with HF's fp32 run (a random model's choices are near ties, so bf16
 rounding flips some: how many, ours next to HF's own bf16). Our runs also record evaluate_lm's own split of its time
-(load, compile, log-likelihoods). On the GPU machine lm_eval and its dependencies travel as wheels (benchmarks/device_wheels.sh). On the
-CPU: --preset tiny --questions 30 --hf-python .venv-ref/bin/python --device cpu.
+(load, compile, log-likelihoods). On the GPU machine lm_eval and its dependencies travel as wheels
+(benchmarks/device_wheels.sh). On the CPU: --preset tiny --questions 30 --hf-python .venv-ref/bin/python --device cpu.
 """
 
 from __future__ import annotations
@@ -123,9 +123,8 @@ def export(preset: str, work: str, questions: int) -> dict:
     if os.path.isfile(os.path.join(work, "hf", "config.json")):
         return {"export": "reused"}
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "benchmarks.lm_eval_h200", work, "--preset", preset, "--questions", str(questions),
-                    "--export-child"],
-                   check=True)
+    subprocess.run([sys.executable, "-m", "benchmarks.lm_eval_h200", work, "--preset", preset,
+                    "--questions", str(questions), "--export-child"], check=True)
     return {"export_s": round(time.perf_counter() - start, 1)}
 
 
