@@ -118,8 +118,7 @@ class Scorer:
         return totals.tolist()
 
     def _run(self, rows) -> list[tuple[float, bool]]:
-        start = time.perf_counter()
-        compile_before = self.seconds["compile"]
+        began, compile_before = time.perf_counter(), self.seconds["compile"]
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
         results: list[tuple[float, bool]] = [(0.0, False)] * len(rows)
         B = self.batch_size
@@ -137,7 +136,7 @@ class Scorer:
             logp, greedy = np.asarray(logp), np.asarray(greedy)
             for r, i in enumerate(chunk):
                 results[i] = (float(logp[r]), bool(greedy[r]))
-        self.seconds["scoring"] += time.perf_counter() - start - (self.seconds["compile"] - compile_before)
+        self.seconds["scoring"] += time.perf_counter() - began - (self.seconds["compile"] - compile_before)
         return results
 
     @property
