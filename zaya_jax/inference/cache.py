@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from zaya_jax.model.cca import CCAState
-from zaya_jax.model.layer_stack import LayerSlices, is_layer_slices
+from zaya_jax.model.layer_stack import LayerSlices, unstack_layers
 from zaya_jax.model.zaya import ZayaForCausalLM
 from zaya_jax.ops import attention as attention_ops
 
@@ -57,8 +57,7 @@ def init_cache(model: ZayaForCausalLM, batch: int, max_length: int) -> DecodeCac
     if v_delayed.bias is None:
         value = per_layer((batch, KV * d // 2))
     else:  # Linear adds its bias in fp32, then casts
-        bias = v_delayed.bias.get_value()  # per-layer arrays in a Decoder's parameters
-        rows = bias.slices if is_layer_slices(bias) else tuple(bias)
+        rows = unstack_layers(v_delayed.bias.get_value(), L)  # stacked, or per layer in a Decoder's parameters
         value = LayerSlices(jnp.broadcast_to(b.astype(jnp.float32).astype(dt), (batch, KV * d // 2)) for b in rows)
     return DecodeCache(
         kv=KVCache(per_layer((batch, max_length, KV, d)), per_layer((batch, max_length, KV, d))),
