@@ -45,12 +45,10 @@ def main(argv=None):
         from lm_eval.utils import make_table
     except ImportError:
         sys.exit("evaluate_lm: lm_eval is not installed (pip install lm_eval)")
-    import jax
-
     from zaya_jax.inference.lm_eval_adapter import ZayaLM
+    from zaya_jax.inference.loading import matmul_precision
 
-    # fp32 GEMMs for float32, as HF's fp32: JAX's default lets a GPU round their inputs to TF32
-    with jax.default_matmul_precision("highest" if args.dtype == "float32" else None):
+    with matmul_precision(args.dtype):
         start = time.perf_counter()
         lm = ZayaLM.from_checkpoint(args.checkpoint, tokenizer=args.tokenizer, dtype=args.dtype, step=args.step,
                                     kernels=args.kernels, max_length=args.max_length, batch_size=args.batch_size,

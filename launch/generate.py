@@ -15,7 +15,7 @@ import jax
 
 from zaya_jax.data.tokenizer import load_tokenizer
 from zaya_jax.inference import Decoder, Sampling
-from zaya_jax.inference.loading import load_model
+from zaya_jax.inference.loading import load_model, matmul_precision
 from zaya_jax.inference.text import complete
 from zaya_jax.train.run_record import default_tokenizer
 
@@ -51,8 +51,7 @@ def main(argv=None):
     tokenizer = load_tokenizer(args.tokenizer or default_tokenizer(args.checkpoint))
     decoder = Decoder(model, kernels=args.kernels)
     del model  # the decoder holds its own per-layer copy of the layer weights: free the stacked ones
-    # fp32 GEMMs for float32, as HF's fp32: JAX's default lets a GPU round their inputs to TF32
-    with jax.default_matmul_precision("highest" if args.dtype == "float32" else None):
+    with matmul_precision(args.dtype):
         texts = complete(decoder, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, sampling=sampling,
                          key=jax.random.key(args.seed), stop_tokens=args.stop_token)
     for prompt, text in zip(args.prompt, texts):

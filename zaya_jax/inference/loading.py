@@ -42,6 +42,12 @@ def load_model(path, *, dtype: str = "float32", step: int | None = None, **overr
     return load_orbax(path, dtype=dtype, step=step, **overrides)
 
 
+def matmul_precision(dtype: str):
+    """The GEMM precision for inference in `dtype`, as a context: fp32 GEMMs for float32, as HF's fp32 (JAX's default
+    lets a GPU round fp32 GEMM inputs to TF32); JAX's default otherwise."""
+    return jax.default_matmul_precision("highest" if jnp.dtype(dtype) == jnp.float32 else None)
+
+
 def orbax_directory(path) -> str:
     """The folder holding the numbered checkpoints: `path` itself or its checkpoints/ child (a run's workdir)."""
     child = os.path.join(path, "checkpoints")
