@@ -10,8 +10,8 @@ makes one hang (to test partial output and the deadline).
 
 from __future__ import annotations
 
-import json
 import fnmatch
+import json
 import os
 import threading
 import time

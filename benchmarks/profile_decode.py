@@ -57,8 +57,7 @@ def main():
     busy_ms = sum(v[0] for v in per_op.values()) / 1e6
     top = sorted(per_op.items(), key=lambda kv: -kv[1][0])[:args.top]
     report = dict(preset=args.preset, batch=args.batch, prompt=args.prompt, new_tokens=tokens, kernels=args.kernels,
-                  device=jax.devices()[0].device_kind,
-                  wall_s_median=float(np.median(walls)),
+                  device=jax.devices()[0].device_kind, wall_s_median=float(np.median(walls)),
                   wall_ms_per_token=float(np.median(walls)) * 1e3 / tokens,
                   kernel_ms_per_token=busy_ms / tokens, kernels_per_token=len(ops) / tokens, lines=lines,
                   top_ops=[dict(op=k, ms_per_token=round(v[0] / 1e6 / tokens, 4), calls_per_token=v[1] / tokens)

@@ -1,7 +1,7 @@
 """The inference benchmark's bookkeeping on the CPU (benchmarks/inference_phases.py, benchmarks/bench_inference.py):
 a failing phase is recorded and the next one runs, phases are skipped near the deadline, the JSON is re-written
-after each phase, --phases selects measurements, timing respects its deadline, the ratios and greedy comparison tolerate missing halves, and the
-chunked on-device init keeps the model's shapes and dtypes."""
+after each phase, --phases selects measurements, timing respects its deadline, the ratios and greedy comparison
+tolerate missing halves, and the chunked on-device init keeps the model's shapes and dtypes."""
 
 import json
 
