@@ -127,6 +127,7 @@ def start_compiles(spec, scorers, decoder, phases: Phases):
     import numpy as np
 
     from zaya_jax.inference.generate import generate_padded
+    from zaya_jax.inference.scoring import window_length
     record = phases.compile_record  # filled by the threads, copied into the results by the main thread
     if os.environ.get("ZAYA_BENCH_NO_PRECOMPILE"):
         return {}
@@ -158,10 +159,8 @@ def start_compiles(spec, scorers, decoder, phases: Phases):
         except Exception as e:
             return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
 
-    def scoring(scorer, batch, length):
-        zeros = np.zeros((batch, length), np.int32)
-        compiled = scorer._score.lower(scorer.state, zeros, zeros, np.zeros((batch, length), np.float32)).compile()
-        return memory_gib(compiled)
+    def scoring(scorer, length):
+        return memory_gib(scorer.program(length, window_length(length, spec["continuation"])))
 
     def decode(batch):
         ids = np.zeros((batch, spec["prompt"]), np.int32)
@@ -184,7 +183,7 @@ def start_compiles(spec, scorers, decoder, phases: Phases):
         except Exception as e:
             return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
 
-    jobs = [job(f"scoring_{b}x{n}", lambda b=b, n=n: scoring(scorers[f"{b}x{n}"], b, n)) for b, n in spec["scoring"]]
+    jobs = [job(f"scoring_{b}x{n}", lambda b=b, n=n: scoring(scorers[f"{b}x{n}"], n)) for b, n in spec["scoring"]]
     jobs += [job(f"decode_{b}", lambda b=b: decode(b)) for b in spec["decode_batches"]]
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=spec["compile_threads"])
     futures = {name: pool.submit(run) for name, run in jobs}

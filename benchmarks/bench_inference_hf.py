@@ -4,8 +4,8 @@ write SPEC's hf_out after each one. Imports no JAX (it runs in its own process, 
 
 Order: load, eager scoring, eager decode at the first decode batch sizes (1, 64), eager decode at the others (8),
 then the torch.compile variant (the model body compiled; the head and generate() unchanged) of each.
-Scoring runs the model body, then the head and log-softmax 128 positions at a time (as our Scorer does; full
-[B, L, 262k] fp32 logits would not fit). python benchmarks/bench_inference_hf.py SPEC.json"""
+Scoring runs the model body, then the head and log-softmax over the scored continuation only, 128 positions at a
+time (as our Scorer does; lm_eval's hf backend forms every position's logits, which is slower). python benchmarks/bench_inference_hf.py SPEC.json"""
 
 import json
 import os
@@ -85,13 +85,11 @@ def main():
 
         def score():
             with torch.inference_mode():
-                hidden = m.model(input_ids=inputs, use_cache=False).last_hidden_state
+                hidden = m.model(input_ids=inputs, use_cache=False).last_hidden_state[:, -c:]
                 total = torch.zeros(batch, device=device)
-                for s in range(0, length, LOGIT_CHUNK):
+                for s in range(0, c, LOGIT_CHUNK):
                     logp = torch.log_softmax(m.lm_head(hidden[:, s:s + LOGIT_CHUNK]).float(), -1)
-                    picked = logp.gather(-1, targets[:, s:s + LOGIT_CHUNK, None])[..., 0]
-                    counted = torch.arange(s, s + picked.shape[1], device=device) >= length - c
-                    total += (picked * counted).sum(-1)
+                    total += logp.gather(-1, targets[:, -c:][:, s:s + LOGIT_CHUNK, None])[..., 0].sum(-1)
                 return total
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()

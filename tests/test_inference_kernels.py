@@ -17,7 +17,7 @@ from zaya_jax.config import RopeConfig, tiny
 from zaya_jax.inference import Decoder
 from zaya_jax.inference.generate import generate_padded
 from zaya_jax.inference.kernels import GPU, PROGRAMS, XLA, inference_kernels, kernel_overrides, with_kernels
-from zaya_jax.inference.scoring import Scorer
+from zaya_jax.inference.scoring import Scorer, window_rows
 
 TOL = 1e-5  # fp32 compute
 CFG = tiny(dtype="float32", vocab_size=128, hidden_size=48, num_hidden_layers=3, num_attention_heads=4,
@@ -87,8 +87,9 @@ def test_scoring_gpu_kernels_match_xla(model):
                 for a, b in [(1, 7), (3, 5), (12, 9), (20, 4), (40, 6)]]  # the last is cut on the left
     kw = dict(max_length=32, batch_size=2, buckets=(16, 32))
     fast, ref = Scorer(model, kernels="gpu", **kw), Scorer(model, kernels="xla", **kw)
-    zeros = np.zeros((2, 16), np.int32)
-    assert_runs_chosen_kernels(fast._score, "scoring", fast.state, zeros, zeros, zeros.astype(np.float32))
+    arrays = window_rows([], 16, 16)
+    assert_runs_chosen_kernels(fast._score, "scoring", fast.state, *[np.zeros((2,) + a.shape[1:], a.dtype)
+                                                                      for a in arrays])
     got, want = fast.loglikelihood(requests), ref.loglikelihood(requests)
     for (logp, greedy), (want_logp, want_greedy) in zip(got, want):
         assert logp == pytest.approx(want_logp, rel=TOL, abs=TOL)

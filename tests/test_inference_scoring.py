@@ -37,11 +37,13 @@ def direct(forward, context, continuation, max_length):
 def test_bucketed_scores_equal_direct_forward():
     model = random_model(CFG, seed=5)
     max_length = 40
-    scorer = Scorer(model, max_length=max_length, batch_size=3, buckets=(16, 40))
+    scorer = Scorer(model, max_length=max_length, batch_size=4, buckets=(16, 40))
     rng = np.random.default_rng(0)
     # (context, continuation) lengths whose inputs are 7, 14 or 40 tokens long (few shapes: few compiles of the
-    # direct forward); (50, 7) is cut on the left to 40 inputs, (30, 11) fits exactly
-    shapes = [(1, 7), (3, 5), (7, 1), (12, 3), (2, 13), (50, 7), (30, 11)]
+    # direct forward); (50, 7) is cut on the left to 40 inputs, (30, 11) fits exactly; the first batch of 4 is in
+    # the 40 bucket, where the head runs over a 32-position window that ends inside (28, 9)'s row and that holds
+    # all of (2, 13)'s
+    shapes = [(1, 7), (3, 5), (7, 1), (12, 3), (2, 13), (50, 7), (30, 11), (28, 9)]
     requests = [(rng.integers(1, CFG.vocab_size, a).tolist(), rng.integers(1, CFG.vocab_size, b).tolist())
                 for a, b in shapes]
     # a continuation that is the model's own greedy choice: its greedy flag must be True
@@ -55,6 +57,7 @@ def test_bucketed_scores_equal_direct_forward():
         assert logp == pytest.approx(want_logp, rel=1e-5, abs=1e-5)
         assert greedy == want_greedy
     assert got[-1][1]
+    assert set(scorer._compiled) == {(16, 16), (40, 32)}
 
 
 def test_rolling_windows_predict_every_token_once():

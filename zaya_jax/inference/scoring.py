@@ -3,7 +3,9 @@
 
 Requests are sorted by length and batched into [batch_size, bucket] arrays (bucket = the smallest configured
 length that holds the longest row), right-padded: attention, both CCA convolutions and the value shift are causal,
-so padding on the right changes no real position's logits and needs no mask. One compile per bucket length.
+so padding on the right changes no real position's logits and needs no mask. The vocabulary head, a large share of
+a forward at ZAYA1's 262k vocabulary, runs only over a window of each row's last positions that holds the scored
+continuation (window lengths are buckets too). One compile per (bucket, window) pair.
 
     scorer = Scorer(model, max_length=2048)
     scorer.loglikelihood([(context_ids, continuation_ids), ...])   # [(sum log p, continuation is greedy), ...]
@@ -53,13 +55,16 @@ def rolling_windows(tokens: Sequence[int], max_length: int, prefix_token: int) -
 _LOGIT_CHUNK = 128  # positions whose [B, chunk, vocab] fp32 logits exist at once (ZAYA1's vocab is 262k)
 
 
-def _score_rows(graphdef, state, inputs, targets, weights):
-    """Sum of target log-probabilities per row where weights > 0, and whether every such target is the argmax.
-    Logits are formed a chunk of positions at a time, never as one [B, L, vocab] array."""
+def _score_rows(graphdef, state, inputs, targets, weights, starts):
+    """inputs [B, L]; targets, weights [B, C] of each row's window of positions starts[b] .. starts[b] + C - 1.
+    Returns the sum of target log-probabilities per row where weights > 0, and whether every such target is the
+    argmax. Logits are formed a chunk of positions at a time, never as one [B, C, vocab] array."""
     model = nnx.merge(graphdef, state)
     y, _ = model.model(inputs)
-    B, L, _ = y.shape
-    chunk = np.gcd(L, _LOGIT_CHUNK)
+    B, C = targets.shape
+    if C < y.shape[1]:
+        y = jnp.take_along_axis(y, (starts[:, None] + jnp.arange(C))[..., None], axis=1)
+    chunk = np.gcd(C, _LOGIT_CHUNK)
 
     def per_chunk(args):
         y_c, t_c = args
@@ -68,12 +73,34 @@ def _score_rows(graphdef, state, inputs, targets, weights):
         return picked - jax.nn.logsumexp(logits, axis=-1), jnp.argmax(logits, axis=-1) == t_c
 
     def split(x):
-        return jnp.moveaxis(x.reshape(B, L // chunk, chunk, *x.shape[2:]), 1, 0)
+        return jnp.moveaxis(x.reshape(B, C // chunk, chunk, *x.shape[2:]), 1, 0)
 
     logp, greedy = jax.lax.map(per_chunk, (split(y), split(targets)))
-    logp, greedy = jnp.moveaxis(logp, 0, 1).reshape(B, L), jnp.moveaxis(greedy, 0, 1).reshape(B, L)
+    logp, greedy = jnp.moveaxis(logp, 0, 1).reshape(B, C), jnp.moveaxis(greedy, 0, 1).reshape(B, C)
     counted = weights > 0
     return jnp.where(counted, logp, 0.0).sum(axis=-1), jnp.where(counted, greedy, True).all(axis=-1)
+
+
+def window_length(length: int, scored: int) -> int:
+    """The head's window for rows of `length` inputs whose longest scored continuation has `scored` tokens."""
+    return next(w for w in default_buckets(length) if w >= scored)
+
+
+def window_rows(rows, length: int, window: int):
+    """[(inputs, targets, scored count)] of at most `length` tokens -> the arrays of one scoring call: inputs
+    [B, length] right-padded, and targets, weights, starts of the `window` positions that end each row's targets."""
+    B = len(rows)
+    inputs = np.zeros((B, length), np.int32)
+    targets = np.zeros((B, window), np.int32)
+    weights = np.zeros((B, window), np.float32)
+    starts = np.zeros((B,), np.int32)
+    for r, (x, y, n) in enumerate(rows):
+        inputs[r, :len(x)] = x
+        start = min(max(len(y) - window, 0), length - window)
+        starts[r] = start
+        targets[r, :len(y) - start] = y[start:]
+        weights[r, len(y) - start - n:len(y) - start] = 1.0
+    return inputs, targets, weights, starts
 
 
 class Scorer:
@@ -86,7 +113,7 @@ class Scorer:
             raise ValueError(f"the largest bucket {self.buckets[-1]} is shorter than max_length {max_length}")
         self.graphdef, self.state = nnx.split(with_kernels(model, kernels, "scoring"))
         self._score = jax.jit(lambda state, *rows: _score_rows(self.graphdef, state, *rows))
-        self._compiled = {}  # bucket length -> compiled scoring program
+        self._compiled = {}  # (bucket length, window) -> compiled scoring program
         self.seconds = {"compile": 0.0, "scoring": 0.0}  # where the calls' wall time went
 
     def loglikelihood(self, requests: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[tuple[float, bool]]:
@@ -123,29 +150,29 @@ class Scorer:
         results: list[tuple[float, bool]] = [(0.0, False)] * len(rows)
         B = self.batch_size
         for start in range(0, len(order), B):
-            chunk = order[start:start + B]
-            L = next(b for b in self.buckets if b >= len(rows[chunk[0]][0]))
-            inputs = np.full((B, L), self.pad_id, np.int32)
-            targets = np.zeros((B, L), np.int32)
-            weights = np.zeros((B, L), np.float32)
-            for r, i in enumerate(chunk):
-                x, y, n = rows[i]
-                inputs[r, :len(x)], targets[r, :len(y)] = x, y
-                weights[r, len(y) - n:len(y)] = 1.0
-            logp, greedy = self._program(L, inputs, targets, weights)(self.state, inputs, targets, weights)
+            chunk = [rows[i] for i in order[start:start + B]]
+            L = next(b for b in self.buckets if b >= len(chunk[0][0]))
+            window = window_length(L, max(n for _, _, n in chunk))
+            arrays = window_rows(chunk + [([], [], 0)] * (B - len(chunk)), L, window)
+            logp, greedy = self.program(L, window)(self.state, *arrays)
             logp, greedy = np.asarray(logp), np.asarray(greedy)
-            for r, i in enumerate(chunk):
+            for r, i in enumerate(order[start:start + B]):
                 results[i] = (float(logp[r]), bool(greedy[r]))
         self.seconds["scoring"] += time.perf_counter() - began - (self.seconds["compile"] - compile_before)
         return results
 
     @property
     def compiled_lengths(self) -> tuple[int, ...]:
-        return tuple(sorted(self._compiled))
+        return tuple(sorted({length for length, _ in self._compiled}))
 
-    def _program(self, length: int, *rows):
-        if length not in self._compiled:
+    def program(self, length: int, window: int):
+        """The compiled scoring program for rows of `length` inputs whose scored targets end within their last
+        `window` positions (compiled on first use)."""
+        if (length, window) not in self._compiled:
             start = time.perf_counter()
-            self._compiled[length] = self._score.lower(self.state, *rows).compile()
+            arrays = window_rows([], length, window)
+            B = self.batch_size
+            shapes = [jax.ShapeDtypeStruct((B,) + a.shape[1:], a.dtype) for a in arrays]
+            self._compiled[length, window] = self._score.lower(self.state, *shapes).compile()
             self.seconds["compile"] += time.perf_counter() - start
-        return self._compiled[length]
+        return self._compiled[length, window]
