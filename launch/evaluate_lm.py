@@ -55,7 +55,7 @@ def main(argv=None):
                                     max_gen_toks=args.max_gen_toks, seed=args.seed)
         loaded = time.perf_counter()
         out = lm_eval.simple_evaluate(model=lm, tasks=args.tasks.split(","), num_fewshot=args.num_fewshot,
-                                      limit=args.limit, task_manager=TaskManager(include_path=args.include_path),
+                                      limit=args.limit, task_manager=task_manager(TaskManager, args),
                                       random_seed=args.seed, numpy_random_seed=args.seed, bootstrap_iters=0,
                                       log_samples=args.samples is not None)
     print(make_table(out))
@@ -72,6 +72,16 @@ def main(argv=None):
                 for sample in samples:
                     f.write(json.dumps({"task": task, **sample}, default=str) + "\n")
     return out["results"]
+
+
+def task_manager(TaskManager, args):
+    """lm_eval's task index: of --include-path alone when it holds every requested task (indexing lm_eval's own
+    thousands of task files takes seconds), else of both."""
+    if args.include_path:
+        local = TaskManager(include_path=args.include_path, include_defaults=False)
+        if all(task in local.all_tasks for task in args.tasks.split(",")):
+            return local
+    return TaskManager(include_path=args.include_path)
 
 
 if __name__ == "__main__":

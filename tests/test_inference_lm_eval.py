@@ -107,10 +107,9 @@ def test_multiple_choice_accuracy_matches_direct_loop(model, direct_mc, offline_
         np.testing.assert_allclose(ours, direct_mc[s["doc_id"]][2], rtol=1e-5, atol=1e-5)
 
 
-def test_evaluate_lm_cli_on_an_exported_checkpoint(model, direct_mc, offline_datasets, tmp_path, monkeypatch, capsys):
+def test_evaluate_lm_cli_on_an_exported_checkpoint(model, direct_mc, offline_datasets, tmp_path, capsys):
     from launch import evaluate_lm
 
-    monkeypatch.setattr(lm_eval.tasks, "TaskManager", toy_tasks_only)  # the CLI imports it when it runs
     checkpoint = zaya_jax.to_hf(model, tmp_path / "hf")
     limit = 8
     results = evaluate_lm.main(["--checkpoint", str(checkpoint), "--tokenizer", "byte", "--tasks", "zaya_toy_mc",
@@ -124,6 +123,25 @@ def test_evaluate_lm_cli_on_an_exported_checkpoint(model, direct_mc, offline_dat
     assert timing and int(timing.group(4)) >= 1
     load, loglikelihoods, compile_, total = (float(timing.group(i)) for i in (1, 2, 3, 5))
     assert load + loglikelihoods + compile_ <= total + 0.3  # parts of the whole (each printed to 0.1 s)
+
+
+def test_evaluate_lm_indexes_lm_eval_tasks_only_when_asked_for_one():
+    from launch.evaluate_lm import task_manager
+
+    class Manager:
+        built = []
+
+        def __init__(self, include_path=None, include_defaults=True):
+            self.built.append(include_defaults)
+            self.all_tasks = ["zaya_toy_mc"] + (["hellaswag"] if include_defaults else [])
+
+    def args(tasks, include_path=TASK_DIR):
+        return type("Args", (), dict(tasks=tasks, include_path=include_path))
+
+    assert task_manager(Manager, args("zaya_toy_mc")).all_tasks == ["zaya_toy_mc"] and Manager.built == [False]
+    assert "hellaswag" in task_manager(Manager, args("zaya_toy_mc,hellaswag")).all_tasks
+    assert "hellaswag" in task_manager(Manager, args("hellaswag", None)).all_tasks
+    assert Manager.built == [False, False, True, True]
 
 
 def test_rolling_loglikelihood_matches_lm_eval_windows(model, direct_logprobs):
