@@ -19,8 +19,6 @@ pytest.importorskip("lm_eval")
 from hf_reference.client import REF_PYTHON, requires_reference
 from hf_reference.jax_side import random_model
 
-from lm_eval.tasks import TaskManager
-
 from benchmarks.lm_eval_h200 import task_texts, write_bpe_tokenizer
 
 import zaya_jax
@@ -47,7 +45,6 @@ def read_samples(path):
 @pytest.mark.skipif(not reference_has_lm_eval(), reason="lm_eval or accelerate missing in the reference venv "
                     "(./run.sh test installs them)")
 def test_evaluate_lm_scores_as_the_hf_backend(tmp_path, monkeypatch):
-    import lm_eval.tasks
     from launch import evaluate_lm
 
     seed = int(np.random.SeedSequence().entropy % 2**31)
@@ -56,8 +53,6 @@ def test_evaluate_lm_scores_as_the_hf_backend(tmp_path, monkeypatch):
         write_bpe_tokenizer(checkpoint, task_texts([json.loads(line) for line in f]), vocab_size=300)
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    # lm_eval's own ~14k task files are not needed here: index the toy task's folder only
-    monkeypatch.setattr(lm_eval.tasks, "TaskManager", lambda **kw: TaskManager(**kw, include_defaults=False))
     ours = evaluate_lm.main(["--checkpoint", checkpoint, "--tasks", "zaya_toy_mc", "--include-path", TASK_DIR,
                              "--max-length", "128", "--samples", str(tmp_path / "ours.jsonl")])["zaya_toy_mc"]
 
