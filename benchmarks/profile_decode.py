@@ -1,6 +1,7 @@
 """Where a greedy decode step's time goes: the decode loop of `generate_padded` under jax.profiler, its device
-kernels grouped by HLO op (total time per generated token, count per token), against the wall time per token
-(which includes the prefill).
+kernels grouped by HLO op and by the model source line that emitted them (the innermost zaya_jax frames of the
+optimized HLO, which XLA dumps during the run), as total time per generated token and count per token, against the
+wall time per token (which includes the prefill).
 
 python -m benchmarks.profile_decode [--preset zaya1_8b] [--batch 1] [--prompt 512] [--new-tokens 64]
                                     [--kernels auto|xla] [--out FILE.json]"""
@@ -9,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import glob
 import json
+import os
 import tempfile
 import time
 
@@ -18,6 +21,7 @@ import numpy as np
 
 from benchmarks.bench_inference import init_model
 from benchmarks.systems import profile_trace
+from benchmarks.training.bench_profile import hlo_sources
 from zaya_jax.inference.decoder import Decoder
 from zaya_jax.inference.generate import generate_padded
 
@@ -32,6 +36,7 @@ def main():
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    dump = dump_optimized_hlo()
     model = init_model(args.preset)
     decoder = Decoder(model, kernels=args.kernels)
     ids = np.random.default_rng(0).integers(3, model.cfg.vocab_size, (args.batch, args.prompt)).astype(np.int32)
@@ -43,28 +48,56 @@ def main():
 
     run()  # compile
     walls = [run()[0] for _ in range(3)]
-    logdir = tempfile.mkdtemp(prefix="profile_decode_")
-    with jax.profiler.trace(logdir):
-        run()
-    ops, _, lines = profile_trace.load(logdir)
-    per_op = collections.defaultdict(lambda: [0.0, 0])
-    for e in ops:
-        # kernels replayed from a command buffer (CUDA graph) carry the buffer's op name: name them by kernel
-        key = e.name if not e.hlo_op or e.hlo_op.startswith("command_buffer") else e.hlo_op
-        per_op[key][0] += e.duration_ns
-        per_op[key][1] += 1
     tokens = args.new_tokens
-    busy_ms = sum(v[0] for v in per_op.values()) / 1e6
-    top = sorted(per_op.items(), key=lambda kv: -kv[1][0])[:args.top]
     report = dict(preset=args.preset, batch=args.batch, prompt=args.prompt, new_tokens=tokens, kernels=args.kernels,
                   device=jax.devices()[0].device_kind, wall_s_median=float(np.median(walls)),
                   wall_ms_per_token=float(np.median(walls)) * 1e3 / tokens,
-                  kernel_ms_per_token=busy_ms / tokens, kernels_per_token=len(ops) / tokens, lines=lines,
-                  top_ops=[dict(op=k, ms_per_token=round(v[0] / 1e6 / tokens, 4), calls_per_token=v[1] / tokens)
-                           for k, v in top])
+                  **kernel_tables(lambda: run(), dump, tokens, "token", args.top))
     print(json.dumps(report, indent=1))
     if args.out:
         json.dump(report, open(args.out, "w"), indent=1)
+
+
+def dump_optimized_hlo() -> str:
+    """A folder into which XLA writes every compiled module as text (call before the backend starts: XLA reads its
+    flags then)."""
+    dump = tempfile.mkdtemp(prefix="profile_hlo_")
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_as_text"
+    return dump
+
+
+def kernel_tables(run, dump: str, units: int, unit: str, top: int) -> dict:
+    """Traces one run(); its kernels' time and count per `unit` (run() does `units` of them) in all, by HLO op and
+    by the model source line that emitted them (the modules XLA wrote to `dump`)."""
+    logdir = tempfile.mkdtemp(prefix="profile_trace_")
+    with jax.profiler.trace(logdir):
+        run()
+    ops, _, lines = profile_trace.load(logdir)
+    sources = module_sources(dump)
+    per_op, per_source = collections.defaultdict(lambda: [0.0, 0]), collections.defaultdict(lambda: [0.0, 0])
+    for e in ops:
+        # kernels replayed from a command buffer (CUDA graph) carry the buffer's op name: name them by kernel
+        key = e.name if not e.hlo_op or e.hlo_op.startswith("command_buffer") else e.hlo_op
+        source = sources.get(e.program_id, {}).get(e.hlo_op, "(no project frame)")
+        for table, k in ((per_op, key), (per_source, source)):
+            table[k][0] += e.duration_ns
+            table[k][1] += 1
+
+    def rows(table, name):
+        return [{name: k, f"ms_per_{unit}": round(v[0] / 1e6 / units, 4), f"calls_per_{unit}": v[1] / units}
+                for k, v in sorted(table.items(), key=lambda kv: -kv[1][0])[:top]]
+
+    return {f"kernel_ms_per_{unit}": sum(v[0] for v in per_op.values()) / 1e6 / units,
+            f"kernels_per_{unit}": len(ops) / units, "lines": lines, "top_ops": rows(per_op, "op"),
+            "top_sources": rows(per_source, "source")}
+
+
+def module_sources(dump: str) -> dict[int, dict[str, str]]:
+    """{module id: {instruction: its source line}} from the optimized modules XLA dumped (module_<id>.*)."""
+    out = {}
+    for path in glob.glob(os.path.join(dump, "module_*after_optimizations.txt")):
+        out[int(os.path.basename(path).split(".")[0].removeprefix("module_"))] = hlo_sources(open(path).read())
+    return out
 
 
 if __name__ == "__main__":

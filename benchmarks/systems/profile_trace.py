@@ -28,6 +28,7 @@ class OpEvent:
     hlo_module: str | None
     start_ns: float
     duration_ns: float
+    program_id: int | None = None  # the compiled module's id (XLA's dump names it module_<id>.<name>...)
 
 
 def xplane_files(logdir: str) -> list[str]:
@@ -48,7 +49,7 @@ def _events(plane, skip_lines=DERIVED_LINES):
         for ev in line.events:
             stats = dict(ev.stats)  # (jax's ProfileData warns once about its stats type's __module__)
             yield OpEvent(plane.name, line.name, ev.name, stats.get("hlo_op"), stats.get("hlo_module"),
-                          float(ev.start_ns), float(ev.duration_ns))
+                          float(ev.start_ns), float(ev.duration_ns), stats.get("program_id"))
 
 
 def load(logdir: str, annotations=("data_loading",)) -> tuple[list[OpEvent], list[OpEvent], list[str]]:
