@@ -3,7 +3,8 @@ weights the JAX half exported, measuring what the JAX half measures, in named ph
 write SPEC's hf_out after each one. Imports no JAX (it runs in its own process, after the JAX one has exited).
 
 Order: load, eager scoring, eager decode at the first decode batch sizes (1, 64), eager decode at the others (8),
-then the torch.compile variant (the model body compiled; the head and generate() unchanged) of each.
+then the torch.compile variant (the model body compiled; the head and generate() unchanged) of each. Decode phases
+print their progress (prefill timings, a 2-token warm-up generation that compiles the step graphs) as they go.
 Scoring runs the model body, then the head and log-softmax over the scored continuation only, 128 positions at a
 time (as our Scorer does; lm_eval's hf backend forms every position's logits, which is slower). python benchmarks/bench_inference_hf.py SPEC.json"""
 
@@ -118,14 +119,17 @@ def main():
             torch.cuda.reset_peak_memory_stats()
         ttft = timed(prefill, sync, repeats=spec["repeats"], deadline=phases.deadline)
         ttft.pop("value")
-        warm = None
-        if name == "eager":  # warm-up on a short generation, then every full one is a measurement
-            start = time.perf_counter()
-            generate(2)
-            sync()
-            warm = round(time.perf_counter() - start, 3)
+        print(f"[hf] decode_{name}_{batch}: prefill first {ttft['first_s']} s, median {ttft['median_s']:.4f} s",
+              flush=True)
+        # warm-up on a short generation (compiled: its first step and the dynamic-length steps compile here), then
+        # every full one is a measurement
+        start = time.perf_counter()
+        generate(2)
+        sync()
+        warm = round(time.perf_counter() - start, 3)
+        print(f"[hf] decode_{name}_{batch}: 2-token warm-up generation {warm} s", flush=True)
         gen = timed(generate, sync, repeats=spec["repeats"], deadline=phases.deadline, cap_s=spec["decode_cap_s"],
-                    warmed=name == "eager")
+                    warmed=True)
         tokens = gen.pop("value").cpu().numpy().astype(np.int32)
         np.save(os.path.join(spec["work"], f"tokens_hf_{name}_b{batch}.npy"), tokens)
         out = dict(ttft_s=ttft["median_s"],

@@ -28,31 +28,40 @@ from zaya_jax.inference.generate import generate_padded
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="zaya1_8b")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--kernels", default="auto", choices=["auto", "xla"])
-    ap.add_argument("--top", type=int, default=30)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    args = parse_args(ap)
     dump = dump_optimized_hlo()
     model = init_model(args.preset)
     decoder = Decoder(model, kernels=args.kernels)
     ids = np.random.default_rng(0).integers(3, model.cfg.vocab_size, (args.batch, args.prompt)).astype(np.int32)
+    profile(args, dump, lambda: generate_padded(decoder, ids, max_new_tokens=args.new_tokens), args.new_tokens,
+            "token", batch=args.batch, prompt=args.prompt, new_tokens=args.new_tokens)
 
+
+def parse_args(ap: argparse.ArgumentParser) -> argparse.Namespace:
+    """The options every inference profile takes, added to `ap`, parsed."""
+    ap.add_argument("--preset", default="zaya1_8b")
+    ap.add_argument("--kernels", default="auto", choices=["auto", "xla"])
+    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--out", default=None)
+    return ap.parse_args()
+
+
+def profile(args, dump: str, fn, units: int, unit: str, **fields):
+    """Compiles fn (one call), times three calls, traces a fourth, prints and writes (--out) the report: `fields`,
+    the median wall time per `unit` (fn does `units` of them) and kernel_tables."""
     def run():
         start = time.perf_counter()
-        out = generate_padded(decoder, ids, max_new_tokens=args.new_tokens)
-        return time.perf_counter() - start, out
+        jax.block_until_ready(fn())
+        return time.perf_counter() - start
 
-    run()  # compile
-    walls = [run()[0] for _ in range(3)]
-    tokens = args.new_tokens
-    report = dict(preset=args.preset, batch=args.batch, prompt=args.prompt, new_tokens=tokens, kernels=args.kernels,
-                  device=jax.devices()[0].device_kind, wall_s_median=float(np.median(walls)),
-                  wall_ms_per_token=float(np.median(walls)) * 1e3 / tokens,
-                  **kernel_tables(lambda: run(), dump, tokens, "token", args.top))
+    run()
+    wall = float(np.median([run() for _ in range(3)]))
+    report = dict(preset=args.preset, kernels=args.kernels, device=jax.devices()[0].device_kind, **fields,
+                  wall_s_median=wall, **{f"wall_ms_per_{unit}": wall * 1e3 / units},
+                  **kernel_tables(run, dump, units, unit, args.top))
     print(json.dumps(report, indent=1))
     if args.out:
         json.dump(report, open(args.out, "w"), indent=1)
