@@ -6,7 +6,9 @@ Order: load, eager scoring, eager decode at the first decode batch sizes (1, 64)
 then the torch.compile variant (the model body compiled; the head and generate() unchanged) of each. Decode phases
 print their progress (prefill timings, a 2-token warm-up generation that compiles the step graphs) as they go.
 Scoring runs the model body, then the head and log-softmax over the scored continuation only, 128 positions at a
-time (as our Scorer does; lm_eval's hf backend forms every position's logits, which is slower). python benchmarks/bench_inference_hf.py SPEC.json"""
+time (as our Scorer does; lm_eval's hf backend forms every position's logits, which is slower).
+
+python benchmarks/bench_inference_hf.py SPEC.json"""
 
 import json
 import os
