@@ -86,11 +86,12 @@ def window_length(length: int, scored: int) -> int:
     return next(w for w in default_buckets(length) if w >= scored)
 
 
-def window_rows(rows, length: int, window: int):
+def window_rows(rows, length: int, window: int, pad_id: int = 0):
     """[(inputs, targets, scored count)] of at most `length` tokens -> the arrays of one scoring call: inputs
-    [B, length] right-padded, and targets, weights, starts of the `window` positions that end each row's targets."""
+    [B, length] right-padded with pad_id, and targets, weights, starts of the `window` positions that end each row's
+    targets."""
     B = len(rows)
-    inputs = np.zeros((B, length), np.int32)
+    inputs = np.full((B, length), pad_id, np.int32)
     targets = np.zeros((B, window), np.int32)
     weights = np.zeros((B, window), np.float32)
     starts = np.zeros((B,), np.int32)
@@ -153,7 +154,7 @@ class Scorer:
             chunk = [rows[i] for i in order[start:start + B]]
             L = next(b for b in self.buckets if b >= len(chunk[0][0]))
             window = window_length(L, max(n for _, _, n in chunk))
-            arrays = window_rows(chunk + [([], [], 0)] * (B - len(chunk)), L, window)
+            arrays = window_rows(chunk + [([], [], 0)] * (B - len(chunk)), L, window, self.pad_id)
             logp, greedy = self.program(L, window)(self.state, *arrays)
             logp, greedy = np.asarray(logp), np.asarray(greedy)
             for r, i in enumerate(order[start:start + B]):
