@@ -161,9 +161,10 @@ def run_side(side: str, dtype: str, work: str, batch_size: int, hf_python: str, 
     if side == "ours":
         results = json.load(open(os.path.join(out_dir, "results.json")))[TASK]
         samples = os.path.join(out_dir, "samples.jsonl")
-        m = re.search(r"loaded in ([\d.]+) s; log-likelihoods ([\d.]+) s after ([\d.]+) s compiling", proc.stderr)
-        if m:
-            timing = dict(zip(("load_s", "loglikelihood_s", "compile_s"), map(float, m.groups())))
+        m = re.search(r"loaded in ([\d.]+) s; log-likelihoods ([\d.]+) s after ([\d.]+) s compiling "
+                      r".*; ([\d.]+) s in all", proc.stderr)
+        if m:  # the rest of wall_s is the process's start (imports, the GPU backend) and exit
+            timing = dict(zip(("load_s", "loglikelihood_s", "compile_s", "in_process_s"), map(float, m.groups())))
     else:
         results = json.load(open(glob.glob(os.path.join(out_dir, "*", "results_*.json"))[0]))["results"][TASK]
         samples = glob.glob(os.path.join(out_dir, "*", f"samples_{TASK}_*.jsonl"))[0]
