@@ -17,7 +17,7 @@ from zaya_jax.checkpoint.export import export_run
 from zaya_jax.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, from_hf, stored_dtype, to_hf
 from zaya_jax.checkpoint.hf_check import check_report
 from zaya_jax.checkpoint.manager import CheckpointError
-from zaya_jax.config import PRESETS, preset
+from zaya_jax.config import COMPUTE_DTYPES, PRESETS, preset
 from zaya_jax.param_count import abstract_param_counts, format_param_counts
 
 from launch._cli import ArgumentParser, user_errors
@@ -34,7 +34,7 @@ def main(argv=None):
     ap.add_argument("--check", action="store_true", help="print parameter counts and a logits checksum")
     ap.add_argument("--roundtrip", metavar="OUT_DIR", help="export the loaded model to OUT_DIR")
     ap.add_argument("--count", choices=sorted(PRESETS), help="print the parameter counts of a preset")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+    ap.add_argument("--dtype", default="float32", choices=COMPUTE_DTYPES,
                     help="compute dtype for --check")
     ap.add_argument("--save-dtype", default=None, help="dtype of the exported tensors (default: the dtype "
                     "HF_DIR's config.json declares, else as loaded)")

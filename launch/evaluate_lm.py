@@ -12,6 +12,8 @@ import json
 import sys
 import time
 
+from zaya_jax.config import COMPUTE_DTYPES
+
 from launch._cli import ArgumentParser, user_errors
 
 
@@ -24,7 +26,7 @@ def main(argv=None):
     ap.add_argument("--tokenizer", default=None, help="'byte', tokenizer.json or a folder holding one (default: "
                     "an HF directory's own, else the run's recorded one)")
     ap.add_argument("--step", type=int, default=None)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+    ap.add_argument("--dtype", default="float32", choices=COMPUTE_DTYPES,
                     help="compute dtype (the parameters are held in it; float16 computes from fp32 ones)")
     ap.add_argument("--kernels", choices=["auto", "xla"], default="auto", help="auto: the platform's fast kernels "
                     "(Pallas on GPU), xla: the XLA implementations (zaya_jax/inference/kernels.py)")

@@ -14,6 +14,7 @@ import argparse
 import jax
 
 from zaya_jax.data.tokenizer import load_tokenizer
+from zaya_jax.config import COMPUTE_DTYPES
 from zaya_jax.inference import Decoder, Sampling
 from zaya_jax.inference.loading import load_model, matmul_precision
 from zaya_jax.inference.text import complete
@@ -30,7 +31,7 @@ def main(argv=None):
     ap.add_argument("--tokenizer", default=None, help="'byte', tokenizer.json or a folder holding one (default: "
                     "the checkpoint folder for HF directories, else the run's recorded tokenizer, DIR/run.json)")
     ap.add_argument("--step", type=int, default=None, help="Orbax checkpoint step (default: latest)")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+    ap.add_argument("--dtype", default="float32", choices=COMPUTE_DTYPES,
                     help="compute dtype (the parameters are held in it; float16 computes from fp32 ones)")
     ap.add_argument("--kernels", choices=["auto", "xla"], default="auto", help="auto: the platform's fast kernels "
                     "(Pallas on GPU), xla: the XLA implementations (zaya_jax/inference/kernels.py)")

@@ -18,6 +18,9 @@ class ConfigError(ValueError):
     """A model configuration value that the ZAYA architecture cannot take."""
 
 
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")  # ModelConfig.dtype
+PARAM_DTYPES = ("float32", "bfloat16")  # ModelConfig.param_dtype
+
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
     theta: float
@@ -114,8 +117,8 @@ class ModelConfig:
         need(len({self.rotary_dim_for(t) for t in set(self.layer_types)}) == 1,
              "all layer types must share one rotary dimension (partial_rotary_factor)")
         need(self.attention_dropout == 0.0, "attention_dropout > 0 is not supported (ZAYA1 trains without it)")
-        need(self.dtype in ("bfloat16", "float32", "float16"), f"dtype {self.dtype!r} not supported")
-        need(self.param_dtype in ("float32", "bfloat16"), f"param_dtype {self.param_dtype!r} not supported")
+        need(self.dtype in COMPUTE_DTYPES, f"dtype {self.dtype!r} not supported")
+        need(self.param_dtype in PARAM_DTYPES, f"param_dtype {self.param_dtype!r} not supported")
         need(self.attention_impl in ("xla", "pallas", "cudnn"), f"attention_impl {self.attention_impl!r} unknown")
         need(self.norm_impl in ("xla", "pallas"), f"norm_impl {self.norm_impl!r} unknown")
         need(self.ce_impl in ("xla", "pallas"), f"ce_impl {self.ce_impl!r} unknown")
@@ -259,5 +262,5 @@ def human_count(n: int) -> str:
     return f"{n / 1e9:.3f}B" if n >= 1e9 else f"{n / 1e6:.3f}M"
 
 
-__all__ = ["ConfigError", "ModelConfig", "RopeConfig", "PRESETS", "preset", "tiny", "zaya1_8b", "zaya1_base",
-           "bench", "human_count"]
+__all__ = ["COMPUTE_DTYPES", "PARAM_DTYPES", "ConfigError", "ModelConfig", "RopeConfig", "PRESETS", "preset", "tiny",
+           "zaya1_8b", "zaya1_base", "bench", "human_count"]

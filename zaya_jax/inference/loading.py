@@ -19,7 +19,7 @@ from jax.sharding import SingleDeviceSharding
 
 from zaya_jax.checkpoint.hf import CONFIG_FILE, from_hf
 from zaya_jax.checkpoint.manager import CheckpointError, restore_subset
-from zaya_jax.config import ModelConfig
+from zaya_jax.config import PARAM_DTYPES, ModelConfig
 from zaya_jax.model import ZayaForCausalLM
 from zaya_jax.model.base import BalancingBias
 
@@ -34,7 +34,7 @@ def load_model(path, *, dtype: str = "float32", step: int | None = None, **overr
     call. `overrides` set other non-HF ModelConfig fields (moe_impl, attention_impl, param_dtype). The balancing
     biases stay fp32."""
     name = jnp.dtype(dtype).name
-    overrides.setdefault("param_dtype", name if name in ("float32", "bfloat16") else "float32")
+    overrides.setdefault("param_dtype", name if name in PARAM_DTYPES else "float32")
     if is_hf_directory(path):
         if step is not None:
             raise ValueError(f"{path} is a Hugging Face directory: it has no steps to choose from")
