@@ -1,10 +1,10 @@
 """Time of one balancing solve (routing_stats.balancing_correction) on [8192, 16] scores, the bench preset's
-microbatch, at the library's constants and for a few other round counts and token subsets, with the rounds in a
-lax.scan and unrolled; per step = 16 microbatches x 8 layers.
+microbatch, at the library's constants: the XLA rounds (a sort each) against the Pallas rounds (one launch each,
+pallas_kernels/balancing_solve.py) at its defaults and at other token chunks and warp counts; same
+inputs, one process; per step = 16 microbatches x 8 layers. Medians of 7 repeats of 50 calls.
 
 python benchmarks/bench_routing_solve.py [--out FILE.json]"""
 
-import functools
 import json
 import sys
 import time
@@ -13,19 +13,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import balancing_solve as kernel
 from zaya_jax.model import routing_stats as rs
 
 N, E, CALLS_PER_STEP = 8192, 16, 16 * 8
-scan = jax.lax.scan
 
 
-def time_solve(rounds, tokens, unroll):
-    rs.SOLVE_ROUNDS, rs.SOLVE_TOKENS = rounds, tokens
-    jax.lax.scan = functools.partial(scan, unroll=True) if unroll else scan
+def time_solve(impl, chunk=None, warps=None):
+    kernel.CHUNK = chunk or default_chunk
+    default_warps = kernel._warps
+    if warps:
+        kernel._warps = lambda n: warps
     x = jax.random.uniform(jax.random.key(0), (N, E)) * 1e-3
-    f = jax.jit(lambda s: rs.balancing_correction(s, jnp.ones(N, bool)))
-    f(x).block_until_ready()
-    jax.lax.scan = scan
+    f = jax.jit(lambda s: rs.balancing_correction(s, jnp.ones(N, bool), impl))
+    delta = f(x)
+    kernel._warps = default_warps
+    kernel.CHUNK = default_chunk
     ts = []
     for _ in range(7):
         t = time.perf_counter()
@@ -33,17 +36,28 @@ def time_solve(rounds, tokens, unroll):
             r = f(x)
         r.block_until_ready()
         ts.append((time.perf_counter() - t) / 50)
-    return float(np.median(ts) * 1e6)
+    return float(np.median(ts) * 1e6), np.asarray(delta)
 
 
-rows = []
-for rounds, tokens, unroll in ((rs.SOLVE_ROUNDS, 2048, False), (16, 2048, False),
-                               (16, 2048, True), (8, 2048, True), (16, 8192, False),
-                               (16, 8192, True)):
-    us = time_solve(rounds, tokens, unroll)
-    rows.append(dict(rounds=rounds, tokens=tokens, unrolled=unroll, us_per_solve=round(us, 1),
-                     ms_per_step=round(us * CALLS_PER_STEP / 1e3, 2)))
+default_chunk = kernel.CHUNK
+rows, reference = [], None
+variants = [("pallas", None, None)] + [("pallas", chunk, warps) for chunk in (512, 2048) for warps in (4, 8, 16)]
+for impl, chunk, warps in [("xla", None, None)] + variants + [("xla", None, None)]:
+    try:
+        us, delta = time_solve(impl, chunk, warps)
+    except Exception as err:  # a variant Triton cannot compile (registers) is reported, not fatal
+        rows.append(dict(impl=impl, chunk=chunk, warps=warps, error=str(err)[:300]))
+        print(rows[-1], flush=True)
+        continue
+    reference = delta if reference is None else reference
+    rows.append(dict(impl=impl, chunk=chunk, warps=warps, rounds=rs.SOLVE_ROUNDS, tokens=rs.SOLVE_TOKENS,
+                     us_per_solve=round(us, 1), ms_per_step=round(us * CALLS_PER_STEP / 1e3, 2),
+                     max_abs_diff_vs_xla=float(np.abs(delta - reference).max())))
     print(rows[-1], flush=True)
+xla = np.median([r["us_per_solve"] for r in rows if r["impl"] == "xla"])
+for r in rows:
+    if "us_per_solve" in r:
+        r["xla_over_this"] = round(xla / r["us_per_solve"], 3)
 if "--out" in sys.argv:
     json.dump(dict(device=jax.devices()[0].device_kind, shape=[N, E], rows=rows),
               open(sys.argv[sys.argv.index("--out") + 1], "w"), indent=1)

@@ -17,7 +17,7 @@ def get_config() -> ConfigDict:
         # the Pallas kernels (Triton lowering: MI300X and NVIDIA); on the H200 the grouped-GEMM experts run several
         # times faster than lax.ragged_dot and the attention several times faster than XLA's (docs/experiments.md)
         dtype="bfloat16", remat="save_dots", attention_impl="pallas", moe_impl="pallas", norm_impl="pallas",
-        ce_impl="pallas", conv_impl="pallas",
+        ce_impl="pallas", conv_impl="pallas", solve_impl="pallas",
         # layers unrolled: faster forward+backward and less memory than lax.scan at the bench preset, at the price
         # of a longer compile (docs/experiments.md)
         scan_layers=False,

@@ -68,6 +68,7 @@ class ModelConfig:
     conv_impl: str = "xla"  # 'xla' | 'pallas': CCA's q/k mixing, both convolutions + mean residuals (ops/cca_conv.py)
     moe_impl: str = "ragged"  # 'ragged' (sort + lax.ragged_dot) | 'pallas' (tile-padded grouped GEMM kernels)
     #                           | 'dense' (reference: every expert on every token) | 'decode' (few tokens, experts.py)
+    solve_impl: str = "xla"  # 'xla' | 'pallas': the train step's balancing solve (ops/balancing_solve.py)
     remat: str = "full"  # 'none' | 'full' | 'save_dots' | 'save_attention'  (activation checkpoint policy)
     scan_layers: bool = True
 
@@ -123,6 +124,7 @@ class ModelConfig:
         need(self.norm_impl in ("xla", "pallas"), f"norm_impl {self.norm_impl!r} unknown")
         need(self.ce_impl in ("xla", "pallas"), f"ce_impl {self.ce_impl!r} unknown")
         need(self.conv_impl in ("xla", "pallas"), f"conv_impl {self.conv_impl!r} unknown")
+        need(self.solve_impl in ("xla", "pallas"), f"solve_impl {self.solve_impl!r} unknown")
         need(self.moe_impl in ("ragged", "pallas", "dense", "decode"), f"moe_impl {self.moe_impl!r} unknown")
         need(self.remat in ("none", "full", "save_dots", "save_attention"), f"remat {self.remat!r} unknown")
         if self.vocab_size % 64:
@@ -170,7 +172,7 @@ class ModelConfig:
     def to_hf_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
              if f.name not in ("rope", "dtype", "param_dtype", "attention_impl", "norm_impl", "ce_impl", "conv_impl",
-                               "moe_impl", "remat", "scan_layers")}
+                               "moe_impl", "solve_impl", "remat", "scan_layers")}
         d["layer_types"] = list(self.layer_types)
         d["rope_parameters"] = {t: {"rope_type": "default", "rope_theta": r.theta,
                                     "partial_rotary_factor": r.partial_rotary_factor} for t, r in self.rope.items()}

@@ -56,7 +56,7 @@ class Router(nnx.Module):
         valid = jnp.ones(x.shape[:-1], bool) if token_mask is None else token_mask.astype(bool)
         expert_scores = score[..., :-1].reshape(-1, cfg.num_experts)
         if self.solve_balance or self.balance_tokens:
-            correction = routing_stats.balancing_correction(expert_scores, valid.reshape(-1))
+            correction = routing_stats.balancing_correction(expert_scores, valid.reshape(-1), cfg.solve_impl)
         else:  # zeros that vary like the scores inside shard_map
             correction = expert_scores[0] * 0.0
         if self.balance_tokens:

@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from zaya_jax.ops import balancing_solve
+
 
 class RoutingStats(NamedTuple):
     counts: jax.Array
@@ -43,9 +45,9 @@ class RoutingStats(NamedTuple):
 # data, so that its sampling error, about 1 / sqrt(SOLVE_TOKENS / E) of each expert's share, differs between
 # microbatches and layers instead of adding up over a step. Once the router has learned, many tokens sit in tight
 # clusters of nearly equal scores shared by several experts, and plain rounds settle slowly there (16 left some
-# forwards 1.5x off balance, 32 fewer); with the momentum, 24 rounds settle them better than 32 plain ones. A round's
-# cost is mostly its sort of the margins, so rounds are the solve's cost. The measurements that chose these are in
-# docs/routing.md.
+# forwards 1.5x off balance, 32 fewer); with the momentum, 24 rounds settle them better than 32 plain ones. Rounds
+# are the solve's cost (each a sort of the margins in XLA, one launch with solve_impl 'pallas'). The measurements
+# that chose these are in docs/routing.md.
 SOLVE_ROUNDS = 24
 SOLVE_TOKENS = 2048
 SOLVE_DAMPING = 0.9
@@ -53,14 +55,16 @@ SOLVE_MOMENTUM = 0.4
 CORRECTION_NAME = "balancing_correction"  # its checkpoint_name: remat policies keep it (model/zaya.py)
 
 
-def balancing_correction(scores, valid):
+def balancing_correction(scores, valid, impl: str = "xla"):
     """scores [N, E] (each real expert's probability plus its balancing bias), valid [N] bool -> the zero-mean
     bias change delta [E] after which argmax(scores + delta) gives each expert about N/E of the valid tokens
     (estimated on at most SOLVE_TOKENS of them).
 
     Each round sets every expert's delta so that exactly N/E tokens prefer it to their best other expert (the
     midpoint of its N/E-th and next-largest margins), all experts at once, damped, with momentum; the margins are
-    measured in the scores' own units, so the solve needs no step size whatever the spread of the probabilities."""
+    measured in the scores' own units, so the solve needs no step size whatever the spread of the probabilities.
+    `impl` runs the rounds as XLA ops around a sort ('xla') or one Pallas launch per round ('pallas'); see
+    ops/balancing_solve.py."""
     if scores.shape[0] > SOLVE_TOKENS:
         n = scores.shape[0]
         subset = np.random.default_rng(n).choice(n, SOLVE_TOKENS, replace=False).astype(np.uint32)
@@ -68,29 +72,10 @@ def balancing_correction(scores, valid):
         shift = jax.lax.bitcast_convert_type(scores.max().astype(jnp.float32), jnp.uint32) % n
         subset = ((subset + shift) % n).astype(jnp.int32)
         scores, valid = scores[subset], valid[subset]
-    scores = scores.T  # [E, N]: the sorts run along the minor axis
-    num_experts, n = scores.shape
+    num_experts = scores.shape[1]
+    delta = balancing_solve.solve(scores.T, valid, rounds=SOLVE_ROUNDS, damping=SOLVE_DAMPING,
+                                  momentum=SOLVE_MOMENTUM, impl=impl)
     count = valid.sum()
-    k = jnp.clip(count // num_experts, 1, n - 1)
-    experts = jnp.arange(num_experts)[:, None]
-    # each expert's median valid score (a sort: exact whatever the reduction order, unlike a mean)
-    median = jnp.take(jnp.sort(jnp.where(valid, scores, jnp.inf), axis=-1), jnp.maximum(count - 1, 0) // 2, axis=-1)
-
-    def round_(carry, _):
-        delta, change = carry
-        s = scores + delta[:, None]
-        first = s.max(0, keepdims=True)
-        is_first = experts == jnp.argmax(s, 0)[None]
-        second = jnp.where(is_first, -jnp.inf, s).max(0, keepdims=True)
-        margin = jnp.where(valid, s - jnp.where(is_first, second, first), -jnp.inf)
-        ranked = -jnp.sort(-margin, axis=-1)
-        middle = 0.5 * (jnp.take(ranked, k - 1, axis=-1) + jnp.take(ranked, k, axis=-1))
-        change = SOLVE_MOMENTUM * change - SOLVE_DAMPING * jnp.where(jnp.isfinite(middle), middle, 0.0)
-        change = change - change.mean()
-        return (delta + change, change), None
-
-    start = median.mean() - median
-    (delta, _), _ = jax.lax.scan(round_, (start, jnp.zeros_like(start)), None, length=SOLVE_ROUNDS)
     return checkpoint_name(jnp.where(count >= num_experts, delta, 0.0), CORRECTION_NAME)
 
 

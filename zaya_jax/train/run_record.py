@@ -26,7 +26,8 @@ RESUMABLE = ("train.steps", "optim.total_steps", "train.log_every", "train.eval_
              "train.init_from", "train.microbatch_tokens", "train.ce_chunk_tokens", "train.cast_weights_once",
              "train.grads_per_pass", "train.defer_expert_wgrad", "data.prefetch", "data.tokenizer", "mesh.",
              "parallel.", "model.overrides.attention_impl", "model.overrides.norm_impl", "model.overrides.ce_impl",
-             "model.overrides.conv_impl", "model.overrides.moe_impl", "model.overrides.remat")
+             "model.overrides.conv_impl", "model.overrides.moe_impl", "model.overrides.solve_impl",
+             "model.overrides.remat")
 
 
 def record_path(workdir: str) -> str:

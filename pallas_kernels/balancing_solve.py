@@ -1,0 +1,170 @@
+"""The balancing solve's rounds (zaya_jax/ops/balancing_solve.py) as Pallas kernels (Triton lowering): one launch
+per round, one program per expert.
+
+The reference runs each round as a chain of small XLA kernels around a sort of every expert's margins, so a round
+costs several launches and a sort. Here one program per expert recomputes every token's best and second-best
+score (a few reads of the [E, N] block, shared by the experts through the cache), forms its own expert's margins and
+finds the k-th and (k+1)-th largest by a bitwise search over the margins' order-preserving int32 keys (32 counting
+passes from the top bit down), which picks exactly the elements the reference's sort picks. Pallas-Triton has no
+sort; a search over counts is all reductions, which it has. Deciding several bits per pass (counting at 2^b
+candidate prefixes at once) was slower on the H200 (docs/routing.md).
+
+The rounds' shared state (every expert's bias change, its momentum and the previous round's midpoints) is updated
+at the start of the next round's launch, identically in every program; program 0 writes it back. Padded experts
+(E is rounded up to a power of two) score -inf; padded tokens are invalid.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import platform
+from pallas_kernels import vma
+
+F32 = jnp.float32
+I32 = jnp.int32
+INT_MIN = -(2 ** 31)
+CHUNK = 2048
+MAX_SCORES = 1 << 16  # the [E, N] block one program reads whole (16 x 2048 at the bench preset's solve)
+
+
+def _key(x):
+    """fp32 -> int32 with the same order (negative floats' magnitude bits flipped)."""
+    u = jax.lax.bitcast_convert_type(x, I32)
+    return jnp.where(u < 0, u ^ 0x7FFFFFFF, u)
+
+
+def _value(key):
+    return jax.lax.bitcast_convert_type(jnp.where(key < 0, key ^ 0x7FFFFFFF, key), F32)
+
+
+def _count_at_or_above(chunks, threshold):
+    """chunks: [n] int32 key blocks -> how many keys are >= threshold (the chunks' hits added first: one reduction,
+    whose latency is what a pass of the search costs)."""
+    return jnp.sum(sum((c >= threshold).astype(I32) for c in chunks))
+
+
+def _largest(chunks, rank):
+    """chunks: [n] int32 key blocks, rank int32 >= 1 -> the rank-th largest key: the largest t with at least rank
+    keys >= t, one bit at a time from the top, as an unsigned prefix (the sign bit flipped keeps the order)."""
+    prefix = jnp.zeros((), I32)
+    for bit in range(31, -1, -1):
+        trial = prefix | jnp.left_shift(jnp.ones((), I32), bit)
+        prefix = jnp.where(_count_at_or_above(chunks, trial ^ INT_MIN) >= rank, trial, prefix)
+    return prefix ^ INT_MIN
+
+
+def _kth_and_next(chunks, k):
+    """The k-th and (k+1)-th largest of the keys (k in [1, count - 1])."""
+    kth = _largest(chunks, k)
+    below = functools.reduce(jnp.maximum, [jnp.max(jnp.where(c < kth, c, INT_MIN)) for c in chunks])
+    ties = jnp.sum(sum((c >= kth).astype(I32) for c in chunks))
+    return kth, jnp.where(ties > k, kth, below)
+
+
+def _pick(vector, index):
+    """vector [C] -> vector[index] for a traced index (a masked sum: Triton cannot index registers)."""
+    return jnp.sum(jnp.where(jnp.arange(vector.shape[0]) == index, vector, jnp.zeros_like(vector)))
+
+
+def next_change(delta, change, middle, num_experts: int, damping: float, momentum: float):
+    """One round's update of the [E'] state from its midpoints (E' >= num_experts; the padded experts stay 0): the
+    reference's arithmetic (ops/balancing_solve.py), written for registers as well as for XLA."""
+    real = jnp.arange(delta.shape[0]) < num_experts
+    step = jnp.where(real & (jnp.abs(middle) < jnp.inf), middle, 0.0)  # NaN and -inf: no step
+    change = momentum * change - damping * step
+    change = jnp.where(real, change - jnp.sum(jnp.where(real, change, 0.0)) / num_experts, 0.0)
+    return delta + change, change
+
+
+def _chunks(num_tokens: int):
+    """Static token slices of at most CHUNK: one [E, CHUNK] block of scores in registers at a time."""
+    return [pl.ds(start, min(CHUNK, num_tokens - start)) for start in range(0, num_tokens, CHUNK)]
+
+
+def _median_kernel(scores_ref, valid_ref, median_ref):
+    e = pl.program_id(0)
+    keys, count = [], 0
+    for part in _chunks(scores_ref.shape[1]):
+        valid = valid_ref[part] != 0
+        count = count + jnp.sum(valid.astype(I32))
+        keys.append(_key(jnp.where(valid, scores_ref[pl.ds(e, 1), part][0], -jnp.inf)))
+    # the ((count - 1) // 2)-th smallest valid score is the (count - (count - 1) // 2)-th largest
+    rank = jnp.maximum(count - jax.lax.div(count - 1, 2), 1)
+    median_ref[...] = jnp.full((1,), _value(_largest(keys, rank)), F32)
+
+
+def _round_kernel(scores_ref, valid_ref, delta_ref, change_ref, middle_ref, delta_out, change_out, middle_out, *,
+                  num_experts, num_tokens, damping, momentum):
+    e = pl.program_id(0)
+    padded = scores_ref.shape[0]
+    rows = jnp.arange(padded)
+    # the previous round's step, as the reference takes it after its sort
+    delta, change = next_change(delta_ref[...], change_ref[...], middle_ref[...], num_experts, damping, momentum)
+
+    @pl.when(e == 0)
+    def _():
+        delta_out[...] = delta
+        change_out[...] = change
+
+    mine = _pick(delta, e)
+    keys, count = [], 0
+    for part in _chunks(scores_ref.shape[1]):
+        valid = valid_ref[part] != 0
+        count = count + jnp.sum(valid.astype(I32))
+        s = scores_ref[:, part] + delta[:, None]
+        first = jnp.max(s, axis=0)
+        leader = jnp.min(jnp.where(s == first[None, :], rows[:, None], padded), axis=0)
+        second = jnp.max(jnp.where(rows[:, None] == leader[None, :], -jnp.inf, s), axis=0)
+        own = scores_ref[pl.ds(e, 1), part][0] + mine
+        keys.append(_key(jnp.where(valid, own - jnp.where(leader == e, second, first), -jnp.inf)))
+    k = jnp.clip(jax.lax.div(count, num_experts), 1, num_tokens - 1)
+    kth, next_ = _kth_and_next(keys, k)
+    middle_out[...] = jnp.full((1,), 0.5 * (_value(kth) + _value(next_)), F32)
+
+
+def _padded(scores, valid):
+    num_experts, num_tokens = scores.shape
+    pe, pn = pl.next_power_of_2(num_experts), pl.next_power_of_2(num_tokens)
+    if pe * pn > MAX_SCORES:
+        raise ValueError(f"balancing solve kernel: [{num_experts}, {num_tokens}] scores exceed the {MAX_SCORES} a "
+                         "program reads; solve on a subset of the tokens (model/routing_stats.py: SOLVE_TOKENS)")
+    scores = jnp.pad(jax.lax.stop_gradient(scores).astype(F32), ((0, 0), (0, pn - num_tokens)))
+    scores = jnp.pad(scores, ((0, pe - num_experts), (0, 0)), constant_values=-jnp.inf)
+    return vma.vary_to_union(scores, jnp.pad(valid.astype(I32), (0, pn - num_tokens)))
+
+
+def _warps(num_tokens: int) -> int:
+    """About 8 keys of a chunk per thread."""
+    lanes = 64 if platform.vendor() == "rocm" else 32
+    return int(min(8, max(2, min(num_tokens, CHUNK) // (8 * lanes))))
+
+
+def solve(scores, valid, *, rounds: int, damping: float, momentum: float):
+    """scores [E, N] fp32, valid [N] bool -> the zero-mean bias change [E]; the reference's numerics."""
+    num_experts, num_tokens = scores.shape
+    scores, valid = _padded(scores, valid)
+    pe, pn = scores.shape
+    grid = (num_experts,)
+    params = platform.compiler_params(_warps(pn), 1)
+    one = pl.BlockSpec((1,), lambda e: (e,))
+    median = pl.pallas_call(_median_kernel, grid=grid, out_specs=one, out_shape=vma.out_struct((pe,), F32, scores),
+                            compiler_params=params, interpret=platform.interpret())(scores, valid)
+    real = jnp.arange(pe) < num_experts
+    median = jnp.where(real, median, 0.0)
+    start = jnp.where(real, jnp.sum(median) / num_experts - median, 0.0)
+    kernel = functools.partial(_round_kernel, num_experts=num_experts, num_tokens=num_tokens,
+                               damping=float(damping), momentum=float(momentum))
+    vector = vma.out_struct((pe,), F32, scores)
+    whole = pl.BlockSpec((pe,), lambda e: (0,))
+    round_ = pl.pallas_call(kernel, grid=grid, out_specs=(whole, whole, one), out_shape=(vector, vector, vector),
+                            compiler_params=params, interpret=platform.interpret())
+    state = (start, jnp.zeros_like(start), jnp.zeros_like(start))
+    for _ in range(int(rounds)):
+        state = round_(scores, valid, *state)
+    delta, _ = next_change(*state, num_experts, damping, momentum)
+    return delta[:num_experts]

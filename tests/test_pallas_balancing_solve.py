@@ -1,0 +1,84 @@
+"""The balancing solve kernels (pallas_kernels/balancing_solve.py) against their jnp reference
+(ops/balancing_solve.py) on fresh random router scores: nearly uniform, collapsed onto one expert, clustered, padded,
+ties, negative and mixed-sign scores, and expert and token counts that are not powers of two; their Triton lowering
+inside shard_map; the size they refuse."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from pallas_kernels import platform, vma
+from zaya_jax.model import routing_stats
+from zaya_jax.ops.balancing_solve import solve
+
+CONSTANTS = dict(rounds=routing_stats.SOLVE_ROUNDS, damping=routing_stats.SOLVE_DAMPING,
+                 momentum=routing_stats.SOLVE_MOMENTUM)
+
+
+def scores_of(case, e, n, rng, spread=1e-4):
+    base = 1 / (e + 1) + rng.normal(size=(e, 1)) * (1e-3 if case == "collapsed" else spread)
+    scores = base + rng.normal(size=(e, n)) * spread
+    if case == "clustered":  # 60% of the tokens in six tight clusters, as a trained router puts them
+        cluster = rng.integers(0, 10, n)
+        centers = rng.normal(size=(e, 6)) * 3 * spread
+        tight = cluster < 6
+        scores[:, tight] = centers[:, cluster[tight]] + rng.normal(size=(e, tight.sum())) * 0.05 * spread
+    if case == "ties":  # scores on a coarse grid: many equal margins at every expert's threshold
+        scores = np.round(scores / spread * 4) * spread / 4
+    if case == "signed":  # biases far below zero and scores of both signs: every bit of the keys is searched
+        scores = scores - 1 / (e + 1) + rng.normal(size=(e, 1)) * 3
+    return jnp.asarray(scores, jnp.float32)
+
+
+def check_kernel_matches_reference(case, e, n, padded, rng):
+    scores = scores_of(case, e, n, rng)
+    valid = jnp.asarray(rng.random(n) < 0.6) if padded else jnp.ones(n, bool)
+    reference = jax.jit(lambda s, v: solve(s, v, impl="xla", **CONSTANTS))(scores, valid)
+    kernel = jax.jit(lambda s, v: solve(s, v, impl="pallas", **CONSTANTS))(scores, valid)
+    # the same order statistics every round: only the rounding of the zero-mean shift may differ
+    np.testing.assert_allclose(np.asarray(kernel), np.asarray(reference), rtol=0, atol=1e-4 * 1e-4)
+    index = np.argmax(np.asarray(scores + kernel[:, None]), 0)[np.asarray(valid)]
+    share = np.bincount(index, minlength=e) / index.size * e
+    assert share.max() <= (1.5 if case in ("clustered", "ties") else 1.1), share
+
+
+@pytest.mark.parametrize("case,e,n,padded", [
+    ("nearly_uniform", 16, 2048, False), ("collapsed", 8, 300, True), ("clustered", 16, 2048, False),
+    ("ties", 8, 512, False), ("nearly_uniform", 5, 1000, True), ("signed", 16, 2048, True)])
+def test_kernel_picks_the_reference_order_statistics(case, e, n, padded):
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    try:
+        check_kernel_matches_reference(case, e, n, padded, np.random.default_rng(seed))
+    except AssertionError as err:
+        raise AssertionError(f"seed {seed}") from err
+
+
+def test_kernel_takes_no_gradient_and_refuses_what_it_cannot_hold():
+    scores = scores_of("nearly_uniform", 8, 64, np.random.default_rng(0))
+    grad = jax.grad(lambda s: solve(s, jnp.ones(64, bool), impl="pallas", **CONSTANTS).sum() + s.sum())(scores)
+    assert np.all(np.asarray(grad) == 1.0)
+    with pytest.raises(ValueError, match="SOLVE_TOKENS"):
+        solve(jnp.zeros((16, 8192)), jnp.ones(8192, bool), impl="pallas", **CONSTANTS)
+
+
+def test_kernel_lowers_for_cuda_inside_shard_map(monkeypatch):
+    monkeypatch.setattr(platform, "interpret", lambda: False)
+
+    def per_rank(scores, valid):
+        return solve(scores[0], valid[0], impl="pallas", **CONSTANTS)[None]
+
+    text = vma.lower_in_shard_map_for_cuda(per_rank, (jnp.zeros((8, 16, 2048)), jnp.ones((8, 2048), bool)),
+                                            in_specs=(P("data"), P("data")), out_specs=P("data"))
+    assert text.count("__gpu$xla.gpu.triton") == 1 + CONSTANTS["rounds"]  # the medians, then one per round
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["nearly_uniform", "clustered", "ties"])
+def test_gpu_kernel_picks_the_reference_order_statistics(case):
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    try:
+        check_kernel_matches_reference(case, 16, 2048, case == "ties", np.random.default_rng(seed))
+    except AssertionError as err:
+        raise AssertionError(f"seed {seed}") from err

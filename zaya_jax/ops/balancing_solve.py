@@ -1,0 +1,51 @@
+"""The balancing solve's rounds (model/routing_stats.py: balancing_correction) on an [E, N] block of expert scores.
+
+From the biases that equalise the experts' median valid scores, `rounds` Jacobi rounds each move every expert's
+bias change to the midpoint of its k-th and (k+1)-th largest margin over each valid token's best other expert
+(k = valid tokens // E, so that k tokens prefer it), damped, with heavy-ball momentum, the change kept zero-mean.
+
+'xla' is the jnp reference below (a sort per round); 'pallas' runs each round as one launch
+(pallas_kernels/balancing_solve.py: one program per expert, the order statistics by a radix select). Both pick the
+same order statistics, so they differ only by the rounding of the zero-mean shift.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def solve_reference(scores, valid, *, rounds: int, damping: float, momentum: float):
+    """scores [E, N] fp32, valid [N] bool -> the zero-mean bias change [E] (NaN-free only with >= 1 valid token)."""
+    num_experts, n = scores.shape
+    count = valid.sum()
+    k = jnp.clip(count // num_experts, 1, n - 1)
+    experts = jnp.arange(num_experts)[:, None]
+    # each expert's median valid score (a sort: exact whatever the reduction order, unlike a mean)
+    median = jnp.take(jnp.sort(jnp.where(valid, scores, jnp.inf), axis=-1), jnp.maximum(count - 1, 0) // 2, axis=-1)
+
+    def round_(carry, _):
+        delta, change = carry
+        s = scores + delta[:, None]
+        first = s.max(0, keepdims=True)
+        is_first = experts == jnp.argmax(s, 0)[None]
+        second = jnp.where(is_first, -jnp.inf, s).max(0, keepdims=True)
+        margin = jnp.where(valid, s - jnp.where(is_first, second, first), -jnp.inf)
+        ranked = -jnp.sort(-margin, axis=-1)  # the sorts run along the minor axis
+        middle = 0.5 * (jnp.take(ranked, k - 1, axis=-1) + jnp.take(ranked, k, axis=-1))
+        change = momentum * change - damping * jnp.where(jnp.isfinite(middle), middle, 0.0)
+        change = change - change.mean()
+        return (delta + change, change), None
+
+    start = median.mean() - median
+    (delta, _), _ = jax.lax.scan(round_, (start, jnp.zeros_like(start)), None, length=rounds)
+    return delta
+
+
+def solve(scores, valid, *, rounds: int, damping: float, momentum: float, impl: str = "xla"):
+    if impl == "xla":
+        return solve_reference(scores, valid, rounds=rounds, damping=damping, momentum=momentum)
+    if impl == "pallas":
+        from pallas_kernels.balancing_solve import solve as kernel
+        return kernel(scores, valid, rounds=rounds, damping=damping, momentum=momentum)
+    raise ValueError(f"balancing solve: unknown impl {impl!r} (use 'xla' or 'pallas')")
