@@ -64,6 +64,8 @@ def main():
         return dict(load_s=round(time.perf_counter() - start, 2), how=how,
                     param_dtypes=sorted({str(p.dtype) for p in model.parameters()}),
                     params=sum(p.numel() for p in model.parameters()),
+                    # HF's own word on whether generation with this model's cache can run as one compiled graph
+                    can_compile_fullgraph=getattr(type(model), "_can_compile_fullgraph", None),
                     experts_implementation=getattr(cfg, "_experts_implementation", None),
                     attn_implementation=getattr(cfg, "_attn_implementation", None),
                     gpu_allocated_gib=torch.cuda.memory_allocated() / 2**30 if device == "cuda" else None)
