@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import platform, vma
+from zaya_jax.config import preset
 from zaya_jax.model import routing_stats
 from zaya_jax.ops.balancing_solve import solve
 
@@ -53,6 +54,29 @@ def test_kernel_picks_the_reference_order_statistics(case, e, n, padded):
         check_kernel_matches_reference(case, e, n, padded, np.random.default_rng(seed))
     except AssertionError as err:
         raise AssertionError(f"seed {seed}") from err
+
+
+@pytest.mark.parametrize("tokens", [256, 4096])  # the whole forward, and a subset of SOLVE_TOKENS of it
+def test_router_routes_the_same_tokens_with_the_kernel(tokens):
+    """The train step's selection (balance_tokens) through the kernel, jitted, equals the reference's."""
+    from flax import nnx
+    from zaya_jax.model.router import Router
+    cfg = preset("tiny", dtype="float32")
+    x = jax.random.normal(jax.random.key(int(np.random.SeedSequence().entropy % 2**31)), (4, tokens // 4,
+                                                                                       cfg.hidden_size))
+    state = jnp.zeros((*x.shape[:2], cfg.router_hidden_size))
+    scale = jnp.ones((cfg.router_hidden_size,))
+    routed = {}
+    for impl in ("xla", "pallas"):
+        router = Router(cfg.replace(solve_impl=impl), nnx.Rngs(0))
+        router.balance_tokens = True
+        graphdef, params = nnx.split(router)
+        _, index, _, _, correction = jax.jit(lambda p: nnx.merge(graphdef, p)(x, state, scale))(params)
+        routed[impl] = np.asarray(index), np.asarray(correction)
+    np.testing.assert_allclose(routed["pallas"][1], routed["xla"][1], rtol=0, atol=1e-8)
+    assert np.mean(routed["pallas"][0] == routed["xla"][0]) >= 0.999
+    counts = np.bincount(routed["pallas"][0].ravel(), minlength=cfg.num_experts + 1)
+    assert counts[-1] == 0 and counts[:-1].max() <= 1.3 * tokens / cfg.num_experts, counts
 
 
 def test_kernel_takes_no_gradient_and_refuses_what_it_cannot_hold():
