@@ -58,11 +58,13 @@ def run(cfg: ModelConfig, lengths: list[int], cps: list[int], *, check_steps: in
                         "remat": cfg.remat},
               "context_attention": attention, "zero1": False, "check_steps": check_steps, "tolerance": tolerance, "runs": []}
     for seq in lengths:
-        specs = [StepSpec(cfg, seq, 1, 1, capture_grads=True)]
+        # the bias controller off: each context-parallel rank would balance its own part of the sequence
+        # (docs/routing.md), which routes differently from one device by design
+        specs = [StepSpec(cfg, seq, 1, 1, capture_grads=True, balancing=False)]
         # zero1=False: with data=1 the ZeRO-1 gradient layout over 'context' alone fails shard_map's varying-axes
         # check in parallel/data_parallel.py (gradients are all-reduced instead; the model math is the same)
         specs += [StepSpec(cfg, seq, 1, cp, context=cp, context_attention=attention, capture_grads=True,
-                           zero1=False) for cp in cps]
+                           zero1=False, balancing=False) for cp in cps]
         if time.time() > deadline:
             result["stopped"] = f"time budget reached before {seq} tokens"
             break

@@ -40,8 +40,11 @@ class RunPlan:
     drift_block: int = 10  # steps per point of the drift curve
 
     def overrides(self) -> list[str]:
+        """The drills' config. The bias controller is off: each data-parallel rank balances its own share of a
+        microbatch (docs/routing.md), so with it on, a run resumed on fewer devices routes differently by design."""
         s = self
-        return [f"--config.train.steps={s.steps}", f"--config.optim.total_steps={s.steps}",
+        return ["--config.balancing.learning_rate=0.0", f"--config.train.steps={s.steps}",
+                f"--config.optim.total_steps={s.steps}",
                 f"--config.optim.warmup_steps={max(1, min(5, s.steps // 4))}", f"--config.data.seq_len={s.seq_len}", "--config.data.prefetch=0",
                 f"--config.train.global_batch_tokens={s.rows * s.seq_len}",
                 f"--config.train.microbatch_tokens={s.rows * s.seq_len}", "--config.train.log_every=1",

@@ -39,6 +39,7 @@ class StepSpec:
     context_attention: str = "allgather"
     ce_chunk: int | None = None  # chunked head + cross-entropy (not under context parallelism: full logits there)
     capture_grads: bool = False
+    balancing: bool = True  # the bias controller (off where runs on different token splits are compared exactly)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)  # the trainer's defaults
     optimizer: OptimizerConfig = dataclasses.field(
         default_factory=lambda: OptimizerConfig(warmup_steps=10, total_steps=1000))
@@ -62,7 +63,7 @@ def capture_grads(tx: optax.GradientTransformation) -> optax.GradientTransformat
 
 def train_config(spec: StepSpec) -> ConfigDict:
     """The trainer's config of a spec: configs/default.py with the spec's model (the preset of the released
-    defaults, every field given), batch, mesh, parallelism, optimizer and the default bias controller."""
+    defaults, every field given), batch, mesh, parallelism, optimizer and the default bias controller (or none)."""
     c = get_config()
     c.seed = 0
     c.model = ConfigDict(dict(preset="zaya1_8b", overrides=ConfigDict(
@@ -71,7 +72,8 @@ def train_config(spec: StepSpec) -> ConfigDict:
     c.train.update(steps=1, global_batch_tokens=spec.tokens, microbatch_tokens=spec.tokens,
                    ce_chunk_tokens=spec.ce_chunk or 0)
     c.optim = ConfigDict(dataclasses.asdict(spec.optimizer))
-    c.balancing = ConfigDict(dataclasses.asdict(BalancerConfig()))
+    balancer = BalancerConfig() if spec.balancing else BalancerConfig(learning_rate=0.0)
+    c.balancing = ConfigDict(dataclasses.asdict(balancer))
     c.mesh = ConfigDict(dict(data=-1, context=spec.context, num_devices=spec.devices))
     c.parallel = ConfigDict(dict(dataclasses.asdict(spec.parallel), zero1=spec.zero1,
                                  context_attention=spec.context_attention))
