@@ -58,3 +58,19 @@ def test_cudnn_attention_on_several_devices_is_named():
     c.mesh.num_devices = 2
     with pytest.raises(TrainConfigError, match="attention_impl='cudnn' runs on one device only"):
         setup(c, log=lambda *_: None)
+
+
+@pytest.mark.parametrize("field", ["model.overrides.solve_impl", "optim.muon_gram_impl"])
+def test_pallas_kernels_on_several_cpu_devices_are_named(field):
+    """Interpret mode (the CPU's Pallas) cannot run in the multi-device step: a one-line refusal, not JAX's
+    varying-axes or mesh error from inside the trace."""
+    from zaya_jax.train.loop import setup
+    c = importlib.import_module("configs.default").get_config()
+    *path, name = field.split(".")
+    node = c
+    for key in path:
+        node = node[key]
+    node[name] = "pallas"
+    c.mesh.num_devices = 2
+    with pytest.raises(TrainConfigError, match=f"{field}='pallas': on the CPU the Pallas kernels run in interpret"):
+        setup(c, log=lambda *_: None)
