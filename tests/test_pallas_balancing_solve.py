@@ -42,7 +42,8 @@ def check_kernel_matches_reference(case, e, n, padded, rng):
     np.testing.assert_allclose(np.asarray(kernel), np.asarray(reference), rtol=0, atol=1e-4 * 1e-4)
     index = np.argmax(np.asarray(scores + kernel[:, None]), 0)[np.asarray(valid)]
     share = np.bincount(index, minlength=e) / index.size * e
-    assert share.max() <= (1.5 if case in ("clustered", "ties") else 1.1), share
+    # each expert is solved to valid // E tokens: the remainder lands somewhere, two tokens' share of slack
+    assert share.max() <= (1.5 if case in ("clustered", "ties") else 1.1 + 2 * e / index.size), share
 
 
 @pytest.mark.parametrize("case,e,n,padded", [
