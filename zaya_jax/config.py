@@ -21,6 +21,7 @@ class ConfigError(ValueError):
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")  # ModelConfig.dtype
 PARAM_DTYPES = ("float32", "bfloat16")  # ModelConfig.param_dtype
 
+
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
     theta: float
