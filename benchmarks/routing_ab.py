@@ -1,0 +1,111 @@
+"""The bench-preset training run of docs/routing.md under several routings, in one process after another on the same
+machine (only same-call figures compare: calls differ by up to 8% on the same code), summarised into one JSON:
+
+    python -m benchmarks.routing_ab --out FILE [--steps 14] [--runs controller,round_robin,collapsed]
+                                    [--config benchmarks/routing_bench_config.py] [-- EXTRA FLAGS FOR EVERY RUN]
+
+Runs:
+  controller   launch.train as configured: the balancing solve in every forward (the Pallas rounds on a GPU)
+  xla_solve    the same with the XLA rounds (solve_impl 'xla')
+  round_robin  token i to expert i mod E and nothing solving: balanced routing at no controller cost
+  collapsed    balancing.learning_rate 0: no solve, the router collapses to one expert per layer
+controller against round_robin is what the controller costs; round_robin against collapsed is what routing to every
+expert costs (one padded token group and one weight read per expert instead of one).
+
+Per run: tokens/s as the median over steps 3 on (compilation and warm-up before), every step's worst-layer max and min
+load, the last loss. Each run's workdir is removed after it (a bench checkpoint is gigabytes)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+RUNS = {
+    "controller": ([], {}),
+    "xla_solve": (["--config.model.overrides.solve_impl=xla"], {}),
+    "round_robin": (["--config.balancing.learning_rate=0.0"], {"ROUND_ROBIN": "1"}),
+    "collapsed": (["--config.balancing.learning_rate=0.0"], {}),
+}
+FIRST_TIMED_STEP = 3
+
+
+def command(name: str, config: str, steps: int, workdir: str, extra: list[str]) -> tuple[list[str], dict]:
+    flags, env = RUNS[name]
+    module = "benchmarks.train_solve_variant" if env else "launch.train"
+    argv = [sys.executable, "-m", module, "--config", config, f"--config.train.steps={steps}",
+            "--config.train.log_every=1", "--workdir", workdir, *flags, *extra]
+    return argv, env
+
+
+def summarize(rows: list[dict]) -> dict:
+    """metrics.jsonl rows of one run -> its figures."""
+    timed = [r["tokens_per_s"] for r in rows if r["step"] >= FIRST_TIMED_STEP and "tokens_per_s" in r]
+    if not timed:
+        raise ValueError(f"no logged step at or after step {FIRST_TIMED_STEP} has tokens_per_s")
+    train = [r for r in rows if "max_load" in r]
+    return {"steps": max(r["step"] for r in rows),
+            f"tokens_per_s_median_steps_{FIRST_TIMED_STEP}_on": round(statistics.median(timed)),
+            "loss_last": round(train[-1]["loss"], 4),
+            "max_load": [round(r["max_load"], 3) for r in train],
+            "min_load": [round(r["min_load"], 3) for r in train]}
+
+
+def read_metrics(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=14)
+    ap.add_argument("--runs", default="controller,round_robin,collapsed")
+    ap.add_argument("--config", default="benchmarks/routing_bench_config.py")
+    ap.add_argument("--timeout", type=float, default=240.0, help="seconds per run")
+    ap.add_argument("extra", nargs="*", help="flags added to every run (after --)")
+    args = ap.parse_args()
+    names = args.runs.split(",")
+    unknown = [n for n in names if n not in RUNS]
+    if unknown:
+        ap.error(f"unknown runs {unknown}; known: {sorted(RUNS)}")
+    if args.steps <= FIRST_TIMED_STEP:
+        ap.error(f"--steps must exceed {FIRST_TIMED_STEP} (the first timed step)")
+    report = {"what": __doc__.split("\n\n")[0], "steps": args.steps, "config": args.config, "extra": args.extra,
+              "runs": {}}
+    for name in names:
+        workdir = tempfile.mkdtemp(prefix=f"routing_ab_{name}_")
+        argv, env = command(name, args.config, args.steps, workdir, args.extra)
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run(argv, env={**os.environ, **env}, capture_output=True, text=True,
+                                  timeout=args.timeout)
+            entry = {"command": " ".join([*(f"{k}={v}" for k, v in env.items()), "python", *argv[1:]]),
+                     "returncode": proc.returncode, "wall_s": round(time.perf_counter() - start, 1)}
+            if proc.returncode == 0:
+                entry.update(summarize(read_metrics(os.path.join(workdir, "metrics.jsonl"))))
+            else:
+                entry["stderr_tail"] = proc.stderr[-2000:]
+        except subprocess.TimeoutExpired:
+            entry = {"command": " ".join(["python", *argv[1:]]), "timed_out_s": args.timeout}
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        report["runs"][name] = entry
+        key = f"tokens_per_s_median_steps_{FIRST_TIMED_STEP}_on"
+        base = report["runs"].get("collapsed", {}).get(key)
+        for run in report["runs"].values():
+            if base and key in run:
+                run["against_collapsed"] = round(run[key] / base - 1, 4)
+        print(name, json.dumps({k: v for k, v in entry.items() if k not in ("command", "stderr_tail")}), flush=True)
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
