@@ -1,16 +1,19 @@
 """The bench-preset training run of docs/routing.md under several routings, in one process after another on the same
 machine (only same-call figures compare: calls differ by up to 8% on the same code), summarised into one JSON:
 
-    python -m benchmarks.routing_ab --out FILE [--steps 14] [--runs controller,round_robin,collapsed]
+    python -m benchmarks.routing_ab --out FILE [--steps 14] [--runs controller,random,round_robin,collapsed]
                                     [--config benchmarks/routing_bench_config.py] [-- EXTRA FLAGS FOR EVERY RUN]
 
 Runs:
   controller   launch.train as configured: the balancing solve in every forward (the Pallas rounds on a GPU)
   xla_solve    the same with the XLA rounds (solve_impl 'xla')
-  round_robin  token i to expert i mod E and nothing solving: balanced routing at no controller cost
+  random       each token to a random expert and nothing solving: groups as uneven as sampling makes them, each
+               padded to the grouped GEMM's row tiles, as the controller's are
+  round_robin  token i to expert i mod E and nothing solving: equal groups of whole row tiles (no padding)
   collapsed    balancing.learning_rate 0: no solve, the router collapses to one expert per layer
-controller against round_robin is what the controller costs; round_robin against collapsed is what routing to every
-expert costs (one padded token group and one weight read per expert instead of one).
+controller against random is what the controller costs; random against round_robin what the padding of every group
+to whole tiles costs; round_robin against collapsed what the rest of routing to every expert costs (one token group
+and one weight read per expert instead of one). benchmarks/train_solve_variant.py replaces the routing.
 
 Per run: tokens/s as the median over steps 3 on (compilation and warm-up before), every step's worst-layer max and min
 load, the last loss. Each run's workdir is removed after it (a bench checkpoint is gigabytes)."""
@@ -30,7 +33,8 @@ import time
 RUNS = {
     "controller": ([], {}),
     "xla_solve": (["--config.model.overrides.solve_impl=xla"], {}),
-    "round_robin": (["--config.balancing.learning_rate=0.0"], {"ROUND_ROBIN": "1"}),
+    "round_robin": (["--config.balancing.learning_rate=0.0"], {"ROUTING": "round_robin"}),
+    "random": (["--config.balancing.learning_rate=0.0"], {"ROUTING": "random"}),
     "collapsed": (["--config.balancing.learning_rate=0.0"], {}),
 }
 FIRST_TIMED_STEP = 3
@@ -66,7 +70,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=14)
-    ap.add_argument("--runs", default="controller,round_robin,collapsed")
+    ap.add_argument("--runs", default="controller,random,round_robin,collapsed")
     ap.add_argument("--config", default="benchmarks/routing_bench_config.py")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per run")
     ap.add_argument("extra", nargs="*", help="flags added to every run (after --)")

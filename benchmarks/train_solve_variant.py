@@ -4,15 +4,20 @@ for the comparisons of docs/routing.md:
     SOLVE_ROUNDS=16 SOLVE_TOKENS=8192 SOLVE_DAMPING=0.8 python -m benchmarks.train_solve_variant \
         --config benchmarks/routing_bench_config.py --config.train.steps=24 --workdir DIR
 
-ROUND_ROBIN=1 (with --config.balancing.learning_rate=0.0, so that nothing solves) routes token i of each forward to
-expert i mod E instead: every expert gets an equal share at no balancing cost, the baseline that separates what
-the controller costs a step from what routing to every expert costs (tile padding, one weight read per expert).
+ROUTING (with --config.balancing.learning_rate=0.0, so that nothing solves) replaces the router's choice of expert,
+at no balancing cost, by one of two baselines that separate what the controller costs a step from what routing to
+every expert costs (benchmarks/routing_ab.py):
+  round_robin  token i of each forward to expert i mod E: equal groups (with E dividing the forward's tokens, whole
+               row tiles of the grouped GEMM: no padding)
+  random       each token to an expert drawn from the low bits of its router probabilities (new draws in every
+               forward and layer): groups that differ by sampling noise, padded to row tiles as the controller's are
 """
 
 import os
 import runpy
 import sys
 
+import jax
 import jax.numpy as jnp
 
 from zaya_jax.model import router, routing_stats
@@ -23,16 +28,25 @@ for name, kind in (("SOLVE_ROUNDS", int), ("SOLVE_TOKENS", int), ("SOLVE_DAMPING
 print(f"solve: rounds {routing_stats.SOLVE_ROUNDS}, tokens {routing_stats.SOLVE_TOKENS}, "
       f"damping {routing_stats.SOLVE_DAMPING}, momentum {routing_stats.SOLVE_MOMENTUM}", flush=True)
 
-if os.environ.get("ROUND_ROBIN") == "1":
+ROUTINGS = ("round_robin", "random")
+routing = os.environ.get("ROUTING")
+if routing is not None and routing not in ROUTINGS:
+    sys.exit(f"train_solve_variant: ROUTING={routing!r} unknown; use one of {ROUTINGS}")
+if routing is not None:
     routed = router.Router.__call__
 
-    def round_robin(self, x, prev_state, state_scale, token_mask=None):
+    def replaced(self, x, prev_state, state_scale, token_mask=None):
         weight, index, u, probs, correction = routed(self, x, prev_state, state_scale, token_mask)
-        index = (jnp.arange(index.size, dtype=index.dtype) % self.cfg.num_experts).reshape(index.shape)
+        E = self.cfg.num_experts
+        if routing == "round_robin":
+            index = (jnp.arange(index.size, dtype=index.dtype) % E).reshape(index.shape)
+        else:  # the low mantissa bits of a probability: uniform over the experts, different in every forward
+            bits = jax.lax.bitcast_convert_type(jax.lax.stop_gradient(probs[..., 0]), jnp.uint32)
+            index = (bits % E).astype(index.dtype)
         weight = jnp.take_along_axis(probs, index[..., None], axis=-1)[..., 0]
         return weight, index, u, probs, correction
 
-    router.Router.__call__ = round_robin
-    print("routing: token i to expert i mod E (round robin)", flush=True)
+    router.Router.__call__ = replaced
+    print(f"routing: {routing} (the router's choice replaced)", flush=True)
 sys.argv[0] = "launch.train"
 runpy.run_module("launch.train", run_name="__main__")

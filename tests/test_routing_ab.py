@@ -7,7 +7,7 @@ from benchmarks import routing_ab
 
 def test_each_run_is_the_documented_command():
     argv, env = routing_ab.command("round_robin", "C.py", 14, "W", ["--x=1"])
-    assert env == {"ROUND_ROBIN": "1"} and argv[1:3] == ["-m", "benchmarks.train_solve_variant"]
+    assert env == {"ROUTING": "round_robin"} and argv[1:3] == ["-m", "benchmarks.train_solve_variant"]
     assert "--config.balancing.learning_rate=0.0" in argv and argv[-1] == "--x=1"
     argv, env = routing_ab.command("controller", "C.py", 14, "W", [])
     assert env == {} and argv[2] == "launch.train" and not any("learning_rate" in a for a in argv)
