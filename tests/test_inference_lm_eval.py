@@ -165,7 +165,7 @@ def test_generate_until_cuts_at_stop_strings(model):
     prompts = ["Once upon a time", "Q: 2+2="]
     # the same decoder and batch shape as the adapter's: one compile
     free = generate(lm.decoder, [tok.encode(p).tolist() for p in prompts], max_new_tokens=12,
-                    stop_tokens=[tok.EOS], pad_multiple=32)
+                    stop_tokens=[tok.EOS])
     texts = [tok.decode(np.asarray(free.row(i))) for i in range(len(prompts))]
     stop = texts[0][3:5]  # a stop string that occurs in the first continuation
     requests = [Instance("generate_until", {}, (p, {"until": [stop], "max_gen_toks": 12}), i)

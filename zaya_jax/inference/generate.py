@@ -31,14 +31,29 @@ class Generation:
         return self.tokens[i, : self.lengths[i]].tolist()
 
 
-def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, multiple: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """(ids [B, T], mask [B, T]) with T = the longest prompt rounded up to `multiple` (fewer compiled shapes).
-    Extra pads change nothing without attention biases (ZAYA1): they are masked keys whose zeroed inputs give the
-    CCA convolutions the same zero halo a sequence start has. With attention biases a pad's q/k projections are
-    the biases, in HF as here, so the result then depends on the padding as HF's does."""
+def length_bucket(n: int, smallest: int = 16) -> int:
+    """The compiled length that holds n: `smallest`, then 2^k and 3 * 2^(k-1) (24, 32, 48, 64, 96, ...), so that
+    prompts, caches and decode loops of nearby lengths share one compiled program while padding at most half of n."""
+    if n < 1:
+        raise ValueError(f"length_bucket needs a positive length, got {n}")
+    bucket = smallest
+    while bucket < n:
+        bucket = bucket * 3 // 2 if bucket & (bucket - 1) == 0 else bucket * 4 // 3
+    return bucket
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(ids [B, T], mask [B, T]) with T = `length` (default length_bucket of the longest prompt). Extra pads change
+    nothing without attention biases (ZAYA1): they are masked keys left of every real token (sliding windows count
+    slots back from the query), and their zeroed inputs give the CCA convolutions the same zero halo a sequence
+    start has. With attention biases a pad's q/k projections are the biases, in HF as here, so the result then
+    depends on the padding as HF's does."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    T = -(-max(len(p) for p in prompts) // multiple) * multiple
+    longest = max(len(p) for p in prompts)
+    T = length_bucket(longest) if length is None else length
+    if T < longest:
+        raise ValueError(f"left_pad: length {T} is shorter than the longest prompt ({longest} tokens)")
     ids = np.full((len(prompts), T), pad_id, np.int32)
     mask = np.zeros((len(prompts), T), np.int32)
     for row, p in enumerate(prompts):
@@ -48,10 +63,12 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, multiple: int = 1) -
 
 
 def generate(decoder: Decoder, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-             sampling: Sampling = GREEDY, stop_tokens: Sequence[int] = (), key=None, pad_id: int | None = None,
-             pad_multiple: int = 8) -> Generation:
+             sampling: Sampling = GREEDY, stop_tokens: Sequence[int] = (), key=None,
+             pad_id: int | None = None) -> Generation:
+    """Prompts are left-padded to length_bucket of the longest one: generations whose prompts and max_new_tokens
+    fall in the same buckets run the same compiled prefill and decode loop."""
     pad_id = _pad_id(decoder, pad_id)
-    ids, mask = left_pad(prompts, pad_id, pad_multiple)
+    ids, mask = left_pad(prompts, pad_id)
     return generate_padded(decoder, ids, mask, max_new_tokens=max_new_tokens, sampling=sampling,
                            stop_tokens=stop_tokens, key=key, pad_id=pad_id)
 
@@ -59,7 +76,9 @@ def generate(decoder: Decoder, prompts: Sequence[Sequence[int]], *, max_new_toke
 def generate_padded(decoder: Decoder, input_ids, attention_mask=None, *, max_new_tokens: int,
                     sampling: Sampling = GREEDY, stop_tokens: Sequence[int] = (), key=None,
                     pad_id: int | None = None) -> Generation:
-    """input_ids [B, T] left-padded, attention_mask [B, T] (1 = real token; None = no padding)."""
+    """input_ids [B, T] left-padded, attention_mask [B, T] (1 = real token; None = no padding). The decode loop is
+    compiled for length_bucket(max_new_tokens) steps and stops after max_new_tokens (a traced bound), over a cache
+    of length_bucket(T + those steps) slots."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     ids = np.asarray(input_ids, np.int32)
@@ -68,17 +87,19 @@ def generate_padded(decoder: Decoder, input_ids, attention_mask=None, *, max_new
         _check_left_padded(mask)
     pad_id = _pad_id(decoder, pad_id)
     B, T = ids.shape
-    cache = decoder.init_cache(B, T + max_new_tokens)
+    steps = length_bucket(max_new_tokens)
+    cache = decoder.init_cache(B, length_bucket(T + steps))
     first_logits, cache = decoder.prefill(cache, ids, mask)
     stops = jnp.asarray(list(stop_tokens) or [-1], jnp.int32)
     key = jax.random.key(0) if key is None else key
-    loop = decoder.bind(_decode_loop, static_argnames=("sampling", "max_new_tokens"), donate_argnums=1)
+    loop = decoder.bind(_decode_loop, static_argnames=("sampling", "steps"), donate_argnums=1)
     tokens, lengths, stopped, _ = loop(decoder.state, cache, first_logits, key, stops, jnp.int32(pad_id),
-                                    sampling=sampling, max_new_tokens=max_new_tokens)
-    return Generation(np.asarray(tokens), np.asarray(lengths), np.asarray(stopped))
+                                    jnp.int32(max_new_tokens), sampling=sampling, steps=steps)
+    return Generation(np.asarray(tokens)[:, :max_new_tokens], np.asarray(lengths), np.asarray(stopped))
 
 
-def _decode_loop(graphdef, state, cache, first_logits, key, stops, pad_id, *, sampling, max_new_tokens):
+def _decode_loop(graphdef, state, cache, first_logits, key, stops, pad_id, max_new_tokens, *, sampling, steps):
+    """Up to max_new_tokens (traced, <= steps) tokens per row into a [B, steps] buffer."""
     model = nnx.merge(graphdef, state)
     B = first_logits.shape[0]
 
@@ -93,7 +114,7 @@ def _decode_loop(graphdef, state, cache, first_logits, key, stops, pad_id, *, sa
         stopped = stopped | (tok[:, None] == stops[None]).any(axis=-1)
         return out, lengths, stopped
 
-    out = jnp.full((B, max_new_tokens), pad_id, jnp.int32)
+    out = jnp.full((B, steps), pad_id, jnp.int32)
     lengths, stopped = jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool)
     tok, key = pick(first_logits, key, stopped)
     out, lengths, stopped = record(0, tok, out, lengths, stopped)

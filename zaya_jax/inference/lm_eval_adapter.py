@@ -115,7 +115,7 @@ class ZayaLM(LM):
                 self._key, key = jax.random.split(self._key)
                 texts = complete(self.decoder, self.tokenizer, [requests[i].args[0] for i in batch],
                                  max_new_tokens=max_new, sampling=sampling, key=key, max_prompt_tokens=budget,
-                                 batch_rows=self.batch_size, pad_multiple=32)
+                                 batch_rows=self.batch_size)
                 for i, text in zip(batch, texts):
                     out[i] = cut_at_stop(text, settings[i][2])
         return out

@@ -14,7 +14,7 @@ from zaya_jax.inference.sampling import GREEDY, Sampling
 
 def complete(decoder: Decoder, tokenizer: Tokenizer, prompts: Sequence[str], *, max_new_tokens: int,
              sampling: Sampling = GREEDY, key=None, stop_tokens: Sequence[int] | None = None,
-             max_prompt_tokens: int | None = None, batch_rows: int | None = None, pad_multiple: int = 8) -> list[str]:
+             max_prompt_tokens: int | None = None, batch_rows: int | None = None) -> list[str]:
     """The decoded continuation of each prompt (stop token and padding dropped).
 
     stop_tokens: default the tokenizer's EOS. max_prompt_tokens: keep only a prompt's last tokens. batch_rows:
@@ -35,5 +35,5 @@ def complete(decoder: Decoder, tokenizer: Tokenizer, prompts: Sequence[str], *, 
         ids += [ids[0]] * (batch_rows - len(ids))
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else None
     gen = generate(decoder, ids, max_new_tokens=max_new_tokens, sampling=sampling, stop_tokens=stop_tokens, key=key,
-                   pad_id=pad_id, pad_multiple=pad_multiple)
+                   pad_id=pad_id)
     return [tokenizer.decode(np.asarray(gen.row(i))) for i in range(len(prompts))]
