@@ -18,8 +18,9 @@ import sys
 
 # the project's user-facing error classes (and their subclasses)
 USER_ERRORS = frozenset({"ConfigError", "DataError", "CheckpointError", "TrainConfigError", "ZayaCheckpointError",
-                         "GroupError", "HardwareError", "UsageError"})
+                         "GroupError", "HardwareError", "UsageError", "MeshError", "ContextParallelError"})
 EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130  # the shell's code for a command ended by SIGINT
 
 
 class UsageError(ValueError):
@@ -45,6 +46,9 @@ def user_errors(name: str):
         def guarded(*args, **kwargs):
             try:
                 return main(*args, **kwargs)
+            except KeyboardInterrupt:  # Ctrl-C: what the command opened was closed on the way out
+                print(f"{name}: interrupted", file=sys.stderr)
+                raise SystemExit(EXIT_INTERRUPTED) from None
             except Exception as e:
                 if not is_user_error(e):
                     raise

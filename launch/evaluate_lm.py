@@ -9,12 +9,13 @@ PATH: a Hugging Face ZAYA directory or an Orbax training run (see launch.generat
 
 import argparse
 import json
+import os
 import sys
 import time
 
 from zaya_jax.config import COMPUTE_DTYPES
 
-from launch._cli import ArgumentParser, user_errors
+from launch._cli import ArgumentParser, UsageError, user_errors
 
 
 @user_errors("launch.evaluate_lm")
@@ -50,14 +51,20 @@ def main(argv=None):
     from zaya_jax.inference.lm_eval_adapter import ZayaLM
     from zaya_jax.inference.loading import matmul_precision
 
+    tasks = args.tasks.split(",")
+    manager = task_manager(TaskManager, args)
+    unknown = [t for t in tasks if not manager.match_tasks([t]) and not os.path.exists(t)]
+    if unknown:
+        raise UsageError(f"unknown task{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}: not in lm_eval's "
+                         f"task index{' or --include-path' if args.include_path else ''}")
     with matmul_precision(args.dtype):
         start = time.perf_counter()
         lm = ZayaLM.from_checkpoint(args.checkpoint, tokenizer=args.tokenizer, dtype=args.dtype, step=args.step,
                                     kernels=args.kernels, max_length=args.max_length, batch_size=args.batch_size,
                                     max_gen_toks=args.max_gen_toks, seed=args.seed)
         loaded = time.perf_counter()
-        out = lm_eval.simple_evaluate(model=lm, tasks=args.tasks.split(","), num_fewshot=args.num_fewshot,
-                                      limit=args.limit, task_manager=task_manager(TaskManager, args),
+        out = lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=args.num_fewshot,
+                                      limit=args.limit, task_manager=manager,
                                       random_seed=args.seed, numpy_random_seed=args.seed, bootstrap_iters=0,
                                       log_samples=args.samples is not None)
     print(make_table(out))

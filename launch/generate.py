@@ -10,6 +10,7 @@ or after --max-new-tokens.
 """
 
 import argparse
+import sys
 
 import jax
 
@@ -43,6 +44,8 @@ def main(argv=None):
     ap.add_argument("--stop-token", type=int, action="append", default=None,
                     help="token id that ends a row (repeatable; default: the tokenizer's EOS)")
     args = ap.parse_args(argv)
+    if args.max_new_tokens < 1:
+        ap.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
 
     try:
         sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
@@ -50,6 +53,10 @@ def main(argv=None):
     except ValueError as e:  # sampling values, --step of an HF directory (user_errors reports checkpoint errors)
         raise UsageError(str(e)) from e
     tokenizer = load_tokenizer(args.tokenizer or default_tokenizer(args.checkpoint))
+    longest = max(len(tokenizer.encode(p)) for p in args.prompt) + args.max_new_tokens
+    if longest > model.cfg.max_position_embeddings:
+        print(f"launch.generate: warning: prompt + --max-new-tokens reach {longest} positions, past the model's "
+              f"max_position_embeddings={model.cfg.max_position_embeddings}", file=sys.stderr)
     decoder = Decoder(model, kernels=args.kernels)
     del model  # the decoder holds its own per-layer copy of the layer weights: free the stacked ones
     with matmul_precision(args.dtype):

@@ -9,8 +9,8 @@ import pytest
 
 from configs.default import get_config
 from benchmarks import characterize, size_model
-from launch import generate, prepare_data, supervise
-from launch._cli import EXIT_USER_ERROR
+from launch import evaluate_lm, generate, prepare_data, supervise
+from launch._cli import EXIT_INTERRUPTED, EXIT_USER_ERROR, user_errors
 from zaya_jax.fault.supervisor import Supervisor, SupervisorConfig
 from zaya_jax.train import loop
 from zaya_jax.train.loop import TrainConfigError
@@ -31,7 +31,9 @@ def one_line_exit(capsys, main, argv, *words):
     ("train.checkpoint_every", -5, "train.checkpoint_every=-5"), ("train.eval_every", -1, "train.eval_every=-1"),
     ("train.global_batch_tokens", 0, "train.global_batch_tokens=0"), ("data.seq_len", 0, "data.seq_len=0"),
     ("optim.learning_rate", -1e-3, "optim.learning_rate=-0.001"),
-    ("optim.learning_rate", float("nan"), "optim.learning_rate=nan")])
+    ("optim.learning_rate", float("nan"), "optim.learning_rate=nan"),
+    ("optim.total_steps", -1, "optim.total_steps=-1"), ("optim.schedule", "cosin", "'cosin'"),
+    ("balancing.learning_rate", -1.0, "balancing.learning_rate=-1.0")])
 def test_values_that_cannot_work_are_refused_before_a_model_is_built(key, value, named, tmp_path, monkeypatch):
     def built(*_, **__):
         raise AssertionError("a model was built")
@@ -53,12 +55,27 @@ def test_argparse_commands_report_mistakes_in_one_line(tmp_path, capsys):
     one_line_exit(capsys, characterize.main, ["gemm", "--model", "zaya9", "--out", str(tmp_path)],
                   "benchmarks.characterize", "zaya9")
     one_line_exit(capsys, supervise.main, ["--max-restarts", "1"], "launch.supervise", "after --")
+    one_line_exit(capsys, generate.main, ["--checkpoint", str(tmp_path), "--prompt", "a", "--max-new-tokens", "0"],
+                  "launch.generate", "--max-new-tokens")
+    one_line_exit(capsys, evaluate_lm.main, ["--checkpoint", str(tmp_path), "--tasks", "no_such_task"],
+                  "launch.evaluate_lm", "unknown task no_such_task")
+
+
+def test_ctrl_c_ends_a_command_in_one_line(capsys):
+    @user_errors("launch.x")
+    def interrupted():
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as e:
+        interrupted()
+    assert e.value.code == EXIT_INTERRUPTED and capsys.readouterr().err.strip() == "launch.x: interrupted"
 
 
 @pytest.mark.parametrize("argv,words", [
     (["--config", "configs/nope.py"], ["launch.train", "nope.py"]),
     (["--config.train.stepz=3"], ["launch.train", "stepz"]),
-    (["--config.train.steps=0", "--workdir", "{tmp}"], ["launch.train", "train.steps=0"])])
+    (["--config.train.steps=0", "--workdir", "{tmp}"], ["launch.train", "train.steps=0"]),
+    (["--config.mesh.context=3", "--workdir", "{tmp}"], ["launch.train", "context=3 must divide"])])
 def test_train_reports_a_missing_config_a_bad_flag_and_a_bad_value_in_one_line(argv, words, tmp_path):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}

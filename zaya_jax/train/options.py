@@ -13,7 +13,7 @@ from typing import Any
 
 from zaya_jax.data.corpus import SOURCES as BUILTIN_SOURCES
 from zaya_jax.optim.balancing import BalancerConfig
-from zaya_jax.optim.optimizer import OptimizerConfig
+from zaya_jax.optim.optimizer import OptimizerConfig, group_transforms
 from zaya_jax.parallel.config import ParallelConfig
 from zaya_jax.parallel.context import ATTENTION_VARIANTS
 from zaya_jax.parallel.sharding import MUON_PLACEMENTS
@@ -112,6 +112,7 @@ def run_options(config) -> RunOptions:
     _check_train(train, data.seq_len)
     _check_data(data)
     _check_parallel(opts.parallel)
+    _check_balancing(opts.balancing)
     given = is_mapping(config.get("optim")) and "total_steps" in config.get("optim").keys()
     opts = dataclasses.replace(opts, optim=_schedule(optim, train.steps, given_total=given))
     return opts
@@ -194,7 +195,9 @@ def _schedule(o: OptimizerConfig, steps: int, *, given_total: bool) -> Optimizer
     if not 0 <= o.learning_rate < math.inf:
         raise TrainConfigError(f"optim.learning_rate={o.learning_rate!r} must be a finite number >= 0")
     total = o.total_steps if given_total else 0
-    if total <= 0:
+    if total < 0:
+        raise TrainConfigError(f"optim.total_steps={total} must be >= 0 (0: follows train.steps)")
+    if total == 0:
         o = dataclasses.replace(o, total_steps=steps)
     elif total < steps:
         raise TrainConfigError(f"train.steps={steps} runs past optim.total_steps={total} (learning rate 0 after it): "
@@ -202,4 +205,16 @@ def _schedule(o: OptimizerConfig, steps: int, *, given_total: bool) -> Optimizer
     if o.schedule != "constant" and o.warmup_steps > o.total_steps:
         raise TrainConfigError(f"optim.warmup_steps={o.warmup_steps} is longer than the schedule "
                                f"({o.total_steps} steps): lower --config.optim.warmup_steps")
+    try:  # the schedule's and Muon's own checks (names, decay length, Newton-Schulz settings) before any model
+        group_transforms(o)
+    except (ValueError, TypeError) as e:
+        raise TrainConfigError(f"optim: {e}") from None
     return o
+
+
+def _check_balancing(b: BalancerConfig) -> None:
+    if not 0 <= b.learning_rate < math.inf:
+        raise TrainConfigError(f"balancing.learning_rate={b.learning_rate!r} must be a finite number >= 0 (0: no "
+                               "balancing; a negative rate pushes every token onto one expert)")
+    if not math.isfinite(b.skip_bias):
+        raise TrainConfigError(f"balancing.skip_bias={b.skip_bias!r} must be a finite number")
