@@ -80,6 +80,34 @@ def test_run_record_written_at_first_start_and_checked_on_resume(tmp_path):
         run_record.default_tokenizer(str(tmp_path / "unrecorded"))
 
 
+def test_a_run_without_held_out_data_reports_no_evaluation(tmp_path):
+    from zaya_jax.data import DataError
+    from zaya_jax.train.loop import evaluate_checkpoint
+    docs = tmp_path / "docs.txt"
+    docs.write_text("\n".join(f"line {i} of a small corpus for the evaluation checks" for i in range(200)))
+    prefix = tmp_path / "web"
+    assert prepare_data.main([str(docs), "--output-prefix", str(prefix), "--split-lines"]) == 0
+    c = small_config()
+    c.data.update(dict(builtin=False, tokenizer="byte"))
+    c.data.sources = {"web": str(prefix)}
+    c.data.weights = {"web": 1.0}
+    c.train.eval_every = 1
+    said = []
+    run(c, str(tmp_path / "run"), log=said.append)
+    assert "no held-out sources (data.valid_sources): evaluation is off" in said
+    assert not any("eval_loss" in m for m in metrics(tmp_path / "run"))  # no loss 0 / perplexity 1 rows
+    with pytest.raises(TrainConfigError, match="no held-out sources"):
+        evaluate_checkpoint(c, str(tmp_path / "run"), log=QUIET)
+    with pytest.raises(TrainConfigError, match="max_batches=0"):
+        evaluate_checkpoint(c, str(tmp_path / "run"), max_batches=0, log=QUIET)
+
+    (tmp_path / "short.txt").write_text("too short for one row")
+    assert prepare_data.main([str(tmp_path / "short.txt"), "--output-prefix", str(tmp_path / "short")]) == 0
+    c.data.valid_sources = {"web": str(tmp_path / "short")}
+    with pytest.raises(DataError, match="fewer than one row"):
+        run(c, str(tmp_path / "run2"), log=QUIET)
+
+
 # ---- item 3: the schedule follows the run -------------------------------------------------------------------------
 
 def test_raising_steps_moves_the_schedule():

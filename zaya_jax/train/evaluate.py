@@ -8,7 +8,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zaya_jax.data import PackedSource, eval_batches
+from zaya_jax.data import DataError, PackedSource, eval_batches
 from zaya_jax.train.step import make_eval_step
 
 
@@ -17,11 +17,18 @@ class Evaluator:
                  reset_at_documents: bool = False):
         self.names = sorted(sources)
         self.sources = [PackedSource(n, sources[n], seq_len) for n in self.names]
+        for src in self.sources:
+            if src.num_windows < 1:  # it would score as loss 0, perplexity 1
+                raise DataError(f"held-out source {src.name!r} holds {src.num_tokens} tokens, fewer than one row of "
+                                f"data.seq_len + 1 = {seq_len + 1}: nothing to score")
         self.rows, self.max_batches = rows, max_batches
         self.sharding = NamedSharding(mesh, P("data"))
         self.step = jax.jit(make_eval_step(graphdef, len(self.names), reset_at_documents=reset_at_documents))
 
     def __call__(self, params, model_state) -> dict[str, float]:
+        """Loss and perplexity per source and over all of them ({} without held-out sources)."""
+        if not self.names:
+            return {}
         loss_sum = np.zeros(len(self.names))
         count = np.zeros(len(self.names))
         for i, src in enumerate(self.sources):

@@ -116,7 +116,12 @@ def evaluate_checkpoint(config, workdir: str, *, step: int | None = None, max_ba
     `config` None: the one recorded in the run directory (run_record.py)."""
     if config is None:
         config = run_record.load_config(workdir)
+    if max_batches is not None and max_batches < 1:
+        raise TrainConfigError(f"max_batches={max_batches} must be >= 1 (or None: every held-out batch)")
     s = setup(config, log=log)
+    if not s.valid_sources:
+        raise TrainConfigError("the run has no held-out sources to score: name them with "
+                               "--config.data.valid_sources.NAME=PREFIX")
     ckpt = checkpoint_manager(s.plan.options.train, workdir)
     try:
         restored = ckpt.restore(abstract_like(s.state), step=step, expect_meta=s.meta, log=log)
@@ -186,6 +191,8 @@ def _run(config: ConfigDict, workdir: str, *, log, closers: list) -> dict:
     step_fn = s.program.step  # the state's shardings pinned on its outputs, the state donated (train/program.py)
     evaluator = Evaluator(s.graphdef, s.valid_sources, seq_len=plan.seq_len, rows=plan.micro_rows, mesh=mesh,
                           max_batches=t.eval_batches, reset_at_documents=reset)
+    if t.eval_every and not evaluator.names:
+        log("no held-out sources (data.valid_sources): evaluation is off")
     writer = MetricsWriter(workdir, enabled=lead, resume_step=start)  # drops rows logged past start before
     closers.append(writer.close)
     if writer.dropped:
@@ -245,7 +252,7 @@ def _run(config: ConfigDict, workdir: str, *, log, closers: list) -> dict:
             writer.close()
             ckpt.wait()
             os._exit(EXIT_STOPPED)
-        if t.eval_every and (done % t.eval_every == 0 or done == plan.steps):
+        if t.eval_every and evaluator.names and (done % t.eval_every == 0 or done == plan.steps):
             jax.block_until_ready(state)  # the step's own compute stays in the step time
             with meter.excluded():  # evaluation (and its first call's compilation) is not training throughput
                 ev = evaluator(state["params"], state["model_state"])
