@@ -12,13 +12,14 @@ import os
 import sys
 
 from absl import flags, logging
-from ml_collections import config_flags
 
 from launch._cli import flag_errors, run_absl
 
 _DEFAULT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "default.py")
 with flag_errors("launch.train"):  # ml_collections applies --config.x overrides here
-    config_flags.DEFINE_config_file("config", _DEFAULT, "ml-collections config file", lock_config=True)
+    from zaya_jax.train.cli_config import define_config_flag
+    define_config_flag(_DEFAULT, sys.argv, "runs/default", "ml-collections config file (default: the run's recorded one, "
+                       "else configs/default.py)")
 flags.DEFINE_string("workdir", "runs/default", "run directory (metrics, checkpoints)")
 
 

@@ -70,3 +70,29 @@ def test_dict_form_turns_the_builtin_corpus_off():
     c = parse("--config.data.sources={'web': '/data/web'}")
     assert c.data.builtin is False and dict(c.data.sources) == {"web": "/data/web"}
     assert dict(c.data.weights) == {"web": 1.0}
+
+
+def test_weights_for_sources_of_other_names_replace_the_builtin_corpus_weights():
+    c = parse("--config.data.sources.txt=A", "--config.data.sources.js=B", "--config.data.weights.txt=0.2",
+              "--config.data.weights.js=0.8")
+    assert dict(c.data.weights) == {"txt": 0.2, "js": 0.8}
+    make_plan(c)  # every source has a weight and no weight names a missing source
+
+
+def test_a_resume_reads_its_overrides_against_the_recorded_config(tmp_path):
+    """`launch.train --workdir RUN --config.optim.muon_gram_impl=xla` on a run started from configs/zaya1_base.py:
+    the key is the recorded config's (configs/default.py has no such key)."""
+    from zaya_jax.train import run_record
+    from zaya_jax.train.cli_config import define_config_flag
+    run = str(tmp_path / "run")
+    started = parse("--config.model.preset=tiny", "--config.data.tokenizer=byte", config="zaya1_base")
+    run_record.ensure(started, run, resuming=False, log=lambda *_: None)
+    argv = ["launch.train", f"--workdir={run}", "--config.optim.muon_gram_impl=xla", "--config.train.steps=7"]
+    rest, open_flags = split_open_flags(argv)
+    fv = flags.FlagValues()
+    define_config_flag(f"{ROOT}/configs/default.py", rest, "runs/default", "config", flag_values=fv, sys_argv=rest)
+    flags.DEFINE_string("workdir", None, "", flag_values=fv)
+    fv(rest)
+    c = command_line_config(fv["config"], open_flags, run)
+    assert c.optim.muon_gram_impl == "xla" and c.train.steps == 7 and c.model.preset == "tiny"
+    assert started.optim.muon_gram_impl == "pallas"  # the change is the command line's

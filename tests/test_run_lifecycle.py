@@ -80,7 +80,7 @@ def test_run_record_written_at_first_start_and_checked_on_resume(tmp_path):
         run_record.default_tokenizer(str(tmp_path / "unrecorded"))
 
 
-def test_a_run_without_held_out_data_reports_no_evaluation(tmp_path):
+def test_a_run_without_held_out_data_reports_no_evaluation_and_a_finished_run_keeps_its_record(tmp_path):
     from zaya_jax.data import DataError
     from zaya_jax.train.loop import evaluate_checkpoint
     docs = tmp_path / "docs.txt"
@@ -100,6 +100,10 @@ def test_a_run_without_held_out_data_reports_no_evaluation(tmp_path):
         evaluate_checkpoint(c, str(tmp_path / "run"), log=QUIET)
     with pytest.raises(TrainConfigError, match="max_batches=0"):
         evaluate_checkpoint(c, str(tmp_path / "run"), max_batches=0, log=QUIET)
+    c.train.steps = 1  # a resume with nothing to do leaves the record as the run was trained
+    run(c, str(tmp_path / "run"), log=said.append)
+    assert "nothing to do" in said[-1]
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["config"]["train"]["steps"] == 2
 
     (tmp_path / "short.txt").write_text("too short for one row")
     assert prepare_data.main([str(tmp_path / "short.txt"), "--output-prefix", str(tmp_path / "short")]) == 0

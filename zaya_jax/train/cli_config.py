@@ -128,6 +128,11 @@ def resolve(config: ConfigDict, open_flags: OpenFlags | None = None) -> ConfigDi
             raise TrainConfigError("--config.data.builtin=True contradicts data.sources "
                                    f"({', '.join(sorted(config.data.sources))}): give one or the other")
         config.data.builtin = False  # named sources replace the built-in corpus
+    if was_builtin and not config.data.builtin and given["data.weights"]:
+        # the file's weights were the built-in corpus's: weights named on the command line replace them
+        with config.data.weights.unlocked():
+            for name in set(config.data.weights) - set(given["data.weights"]) - set(config.data.sources):
+                del config.data.weights[name]
     if (was_builtin or not config.data.weights) and not config.data.builtin and not given["data.weights"] \
             and set(config.data.weights) != set(config.data.sources):
         # the file's weights were the built-in corpus's (or none): the named sources are mixed equally
@@ -149,6 +154,35 @@ def apply_overrides(config: ConfigDict, overrides: dict) -> ConfigDict:
         with node.unlocked():
             node[leaf] = value
     return config
+
+
+def recorded_base(argv: list[str], default_workdir: str) -> ConfigDict | None:
+    """Without --config in argv: the config recorded in the run directory argv's --workdir (else `default_workdir`)
+    names, if it holds run.json. The launchers define their --config flag on it, so that a resume's --config.X
+    overrides are read against the keys that run has (its config file's, not configs/default.py's)."""
+    from zaya_jax.train import run_record
+
+    if any(re.match(r"^--?config(=|$)", a) for a in argv):
+        return None
+    workdir = default_workdir
+    for i, arg in enumerate(argv):
+        m = re.match(r"^--?workdir(?:=(.*))?$", arg, re.S)
+        if m:
+            workdir = m.group(1) if m.group(1) is not None else (argv[i + 1] if i + 1 < len(argv) else workdir)
+    return run_record.load_config(workdir) if run_record.exists(workdir) else None
+
+
+def define_config_flag(default_file: str, argv: list[str], default_workdir: str, help_text: str, **flag_values):
+    """absl's --config flag: the file --config names (default `default_file`), or on a resume without --config the
+    run's recorded config (recorded_base); ml-collections applies the --config.X overrides when it is defined.
+    flag_values: absl's flag_values= and sys_argv= (tests)."""
+    from ml_collections import config_flags
+
+    recorded = recorded_base(argv, default_workdir)
+    if recorded is None:
+        config_flags.DEFINE_config_file("config", default_file, help_text, lock_config=True, **flag_values)
+    else:
+        config_flags.DEFINE_config_dict("config", recorded, help_text, lock_config=True, **flag_values)
 
 
 def command_line_config(flag, open_flags: OpenFlags, workdir: str | None = None) -> ConfigDict:

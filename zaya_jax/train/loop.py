@@ -165,7 +165,10 @@ def _run(config: ConfigDict, workdir: str, *, log, closers: list) -> dict:
     ckpt = checkpoint_manager(t, workdir)
     closers.append(ckpt.close)
     data_state, start = None, 0
-    run_record.ensure(config, workdir, resuming=ckpt.latest_step() is not None, write=lead, log=log)
+    latest = ckpt.latest_step()
+    # a run already past train.steps does nothing, so its record keeps what it was trained with
+    run_record.ensure(config, workdir, resuming=latest is not None,
+                      write=lead and (latest is None or latest < plan.steps), log=log)
     if ckpt.latest_step() is not None:
         restored = ckpt.restore(abstract_like(state), expect_meta=meta, log=log, set_aside=True)
         state, data_state, start = restored.state, restored.data, restored.step
