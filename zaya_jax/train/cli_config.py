@@ -179,6 +179,7 @@ def define_config_flag(default_file: str, argv: list[str], default_workdir: str,
     from ml_collections import config_flags
 
     recorded = recorded_base(argv, default_workdir)
+    flag_values.setdefault("sys_argv", split_open_flags(argv)[0])  # the open flags are resolve()'s
     if recorded is None:
         config_flags.DEFINE_config_file("config", default_file, help_text, lock_config=True, **flag_values)
     else:
