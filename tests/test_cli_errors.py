@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from configs.default import get_config
@@ -44,6 +45,16 @@ def test_values_that_cannot_work_are_refused_before_a_model_is_built(key, value,
     c[section][name] = value
     with pytest.raises(TrainConfigError, match=named.replace(".", r"\.")):
         loop.run(c, str(tmp_path), log=lambda *_: None)
+
+
+def test_a_step_that_does_not_fit_in_memory_is_named(tmp_path, monkeypatch):
+    def oom(*_, **__):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 814477511424 bytes.\nmore")
+
+    monkeypatch.setattr(loop, "_run", oom)
+    with pytest.raises(TrainConfigError, match=r"does not fit in device memory \(RESOURCE_EXHAUSTED: Out of memory "
+                                               r"allocating 814477511424 bytes.\): lower train.microbatch_tokens"):
+        loop.run(get_config(), str(tmp_path), log=lambda *_: None)
 
 
 def test_argparse_commands_report_mistakes_in_one_line(tmp_path, capsys):

@@ -142,12 +142,17 @@ def run(config: ConfigDict, workdir: str, *, log=print) -> dict:
     closers = []
     try:
         return _run(config, workdir, log=log, closers=closers)
-    except BaseException:
+    except BaseException as e:
         for close in reversed(closers):
             try:
                 close()
-            except Exception as e:  # the original error matters more
-                log(f"while stopping: {type(e).__name__}: {e}")
+            except Exception as e2:  # the original error matters more
+                log(f"while stopping: {type(e2).__name__}: {e2}")
+        if isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(e):
+            first = str(e).strip().splitlines()[0]
+            raise TrainConfigError(f"the step does not fit in device memory ({first}): lower "
+                                   "train.microbatch_tokens or data.seq_len, or set "
+                                   "--config.model.overrides.remat=full") from e
         raise
 
 

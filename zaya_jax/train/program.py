@@ -28,7 +28,7 @@ from zaya_jax.parallel.mesh import describe_mesh, make_mesh
 from zaya_jax.parallel.sharding import (combine_threshold_options, describe_optimizer_memory, state_shardings, zero1,
                                          zero1_spec_fn, zero_axes)
 from zaya_jax.train.options import BatchRamp, RunOptions, run_options
-from zaya_jax.train.step_options import check_on_mesh, context_parallel, step_options
+from zaya_jax.train.step_options import check_on_mesh, context_parallel, pallas_settings, step_options
 from zaya_jax.train.step import make_accumulating_train_step, make_local_loss_sums
 
 
@@ -141,6 +141,10 @@ def build_train_program(config: ConfigDict, *, log=print, init: bool = True, tx=
         mesh_args["num_devices"] = int(os.environ["ZAYA_NUM_DEVICES"])
     mesh = make_mesh(**mesh_args)
     check_on_mesh(opts, cfg, mesh, plan.micro_rows)  # before any parameter or optimizer state exists
+    pallas = pallas_settings(opts, cfg)
+    if pallas and mesh.devices.flat[0].platform == "cpu":
+        log(f"note: {', '.join(pallas)} run in Pallas' interpret mode on the CPU, many times slower than XLA; "
+            "set them to 'xla' (moe_impl: 'ragged') for CPU runs")
     log(describe(cfg))
     log(describe_mesh(mesh))
     ocfg, par = opts.optim, opts.parallel

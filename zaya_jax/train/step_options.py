@@ -14,13 +14,18 @@ from zaya_jax.train.errors import TrainConfigError
 from zaya_jax.train.options import RunOptions
 
 
+def pallas_settings(opts: RunOptions, model: ModelConfig) -> list[str]:
+    """The settings that select a Pallas kernel, as command-line assignments."""
+    pallas = [f"model.overrides.{f.name}='pallas'" for f in dataclasses.fields(model)
+              if f.name.endswith("_impl") and getattr(model, f.name) == "pallas"]
+    return pallas + (["optim.muon_gram_impl='pallas'"] if opts.optim.muon_gram_impl == "pallas" else [])
+
+
 def check_on_mesh(opts: RunOptions, model: ModelConfig, mesh, micro_rows: int) -> None:
     """Refuses what cannot run on `mesh`: Pallas kernels on several CPU devices, cuDNN attention on several devices,
     a one-layer model, a microbatch that does not split over the data axis, a model context parallelism cannot run
     exactly."""
-    pallas = [f"model.overrides.{f.name}='pallas'" for f in dataclasses.fields(model)
-              if f.name.endswith("_impl") and getattr(model, f.name) == "pallas"]
-    pallas += ["optim.muon_gram_impl='pallas'"] if opts.optim.muon_gram_impl == "pallas" else []
+    pallas = pallas_settings(opts, model)
     if pallas and mesh.devices.size > 1 and mesh.devices.flat[0].platform == "cpu":
         # the CPU runs Pallas kernels in interpret mode, which the multi-device step's programs (shard_map over a
         # hierarchical view of the mesh) cannot hold; on one device they run
