@@ -19,7 +19,8 @@ with flag_errors("launch.evaluate"):  # ml_collections applies --config.x overri
                        "else configs/default.py)")
 flags.DEFINE_string("workdir", "runs/default", "run directory holding checkpoints/")
 flags.DEFINE_integer("step", None, "checkpoint step (default: latest)")
-flags.DEFINE_integer("max_batches", None, "eval batches per source (default: all)")
+flags.DEFINE_integer("max_batches", None, "eval batches per source (default: the run's train.eval_batches, as "
+                     "training's evaluation; a large number: all)")
 
 
 def main(argv, open_flags=None):

@@ -113,7 +113,8 @@ def checkpoint_manager(train: TrainOptions, workdir: str) -> CheckpointManager:
 def evaluate_checkpoint(config, workdir: str, *, step: int | None = None, max_batches: int | None = None,
                         log=print) -> dict[str, float]:
     """Scores the run's checkpoint (latest, or `step`) on every held-out source; jit-compiled, any mesh.
-    `config` None: the one recorded in the run directory (run_record.py)."""
+    `config` None: the one recorded in the run directory (run_record.py). max_batches None: the config's
+    train.eval_batches (what training's evaluation scored; None there: every batch)."""
     if config is None:
         config = run_record.load_config(workdir)
     if max_batches is not None and max_batches < 1:
@@ -122,6 +123,8 @@ def evaluate_checkpoint(config, workdir: str, *, step: int | None = None, max_ba
     if not s.valid_sources:
         raise TrainConfigError("the run has no held-out sources to score: name them with "
                                "--config.data.valid_sources.NAME=PREFIX")
+    if max_batches is None:  # the batches training's evaluation scored, so the figures compare with its log
+        max_batches = s.plan.options.train.eval_batches
     ckpt = checkpoint_manager(s.plan.options.train, workdir)
     try:
         restored = ckpt.restore(abstract_like(s.state), step=step, expect_meta=s.meta, log=log)
