@@ -36,10 +36,13 @@ def test_async_save_then_restore_on_a_smaller_mesh(tmp_path):
 def test_checkpoint_of_another_model_is_refused_by_name(tmp_path):
     mngr = CheckpointManager(str(tmp_path), save_interval_steps=1)
     state = _state(_mesh(2))
-    mngr.save(1, state, data={}, meta={"model": {"hidden": 4}})
+    mngr.save(1, state, data={}, meta={"model": {"hidden": 4, "layers": 2, "rope": {"theta": 1e4}}})
     mngr.close()
-    with pytest.raises(CheckpointError, match="different model"):
-        CheckpointManager(str(tmp_path)).restore(abstract_like(state), expect_meta={"model": {"hidden": 8}})
+    with pytest.raises(CheckpointError, match=r"different model: hidden 4 -> 8, rope.theta 10000.0 -> 500000.0 "
+                                              r"\(checkpoint -> this run\)$") as e:
+        CheckpointManager(str(tmp_path)).restore(
+            abstract_like(state), expect_meta={"model": {"hidden": 8, "layers": 2, "rope": {"theta": 5e5}}})
+    assert "\n" not in str(e.value)
 
 
 def test_missing_checkpoint_is_a_clear_error(tmp_path):

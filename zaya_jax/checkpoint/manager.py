@@ -120,8 +120,7 @@ class CheckpointManager:
             got = meta.get(key)
             if _jsonable(want) != got:
                 raise CheckpointError(f"checkpoint {self.directory} step {step} was written for a different "
-                                      f"{key}:\n  checkpoint: {json.dumps(got, sort_keys=True)}\n"
-                                      f"  this run:   {json.dumps(_jsonable(want), sort_keys=True)}")
+                                      f"{key}: {_differences(got, _jsonable(want))} (checkpoint -> this run)")
         try:
             r = self._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
                                                                  data=ocp.args.JsonRestore()))
@@ -173,3 +172,16 @@ def _default(o):
     if isinstance(o, (set, tuple)):
         return list(o)
     return str(o)
+
+
+def _differences(saved, wanted, prefix: str = "") -> str:
+    """The keys whose values differ between two JSON values, as `key saved -> wanted` (whole values if not dicts)."""
+    if not (isinstance(saved, dict) and isinstance(wanted, dict)):
+        return f"{prefix or 'value'} {json.dumps(saved)} -> {json.dumps(wanted)}"
+    parts = []
+    for key in sorted(set(saved) | set(wanted)):
+        a, b = saved.get(key, "<unset>"), wanted.get(key, "<unset>")
+        if a != b:
+            parts.append(_differences(a, b, f"{prefix}{key}.") if isinstance(a, dict) and isinstance(b, dict)
+                         else f"{prefix}{key} {json.dumps(a)} -> {json.dumps(b)}")
+    return ", ".join(parts)
