@@ -27,6 +27,13 @@ class UsageError(ValueError):
     """A command's own check of its arguments failed."""
 
 
+def quiet_checkpoint_reads() -> None:
+    """Orbax's absl warnings on every read-only restore (read_only=True settings, missing metadata files) are noise
+    for commands that only read checkpoints."""
+    from absl import logging
+    logging.set_verbosity(logging.ERROR)
+
+
 def is_user_error(e: BaseException) -> bool:
     return any(c.__name__ in USER_ERRORS for c in type(e).__mro__)
 

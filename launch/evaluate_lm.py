@@ -15,7 +15,7 @@ import time
 
 from zaya_jax.config import COMPUTE_DTYPES
 
-from launch._cli import ArgumentParser, UsageError, user_errors
+from launch._cli import ArgumentParser, UsageError, quiet_checkpoint_reads, user_errors
 
 
 @user_errors("launch.evaluate_lm")
@@ -41,6 +41,7 @@ def main(argv=None):
     ap.add_argument("--samples", default=None, help="write every scored example here, one JSON line each (task, "
                     "doc_id, the log-likelihoods or generations, the metrics), as lm_eval --log_samples records them")
     args = ap.parse_args(argv)
+    quiet_checkpoint_reads()
 
     try:
         import lm_eval

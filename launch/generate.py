@@ -21,7 +21,7 @@ from zaya_jax.inference.loading import load_model, matmul_precision
 from zaya_jax.inference.text import complete
 from zaya_jax.train.run_record import default_tokenizer
 
-from launch._cli import ArgumentParser, UsageError, user_errors
+from launch._cli import ArgumentParser, UsageError, quiet_checkpoint_reads, user_errors
 
 
 @user_errors("launch.generate")
@@ -44,6 +44,7 @@ def main(argv=None):
     ap.add_argument("--stop-token", type=int, action="append", default=None,
                     help="token id that ends a row (repeatable; default: the tokenizer's EOS)")
     args = ap.parse_args(argv)
+    quiet_checkpoint_reads()
     if args.max_new_tokens < 1:
         ap.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
 

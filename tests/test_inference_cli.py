@@ -79,8 +79,10 @@ def test_a_bf16_load_stores_bf16_parameters_from_both_formats(tmp_path):
 def test_missing_orbax_step_is_reported(tmp_path):
     model = random_model(CFG, seed=9)
     save_training_checkpoint(model, tmp_path, step=3)
-    with pytest.raises(CheckpointError):
+    with pytest.raises(CheckpointError, match="no checkpoint for step 7"):
         load_model(tmp_path, step=7)
+    with pytest.raises(CheckpointError, match=f"the folder of one step: pass its run, --checkpoint {tmp_path} --step 3"):
+        load_model(tmp_path / "checkpoints" / "3")
 
 
 def test_an_unreadable_latest_step_falls_back_like_training(tmp_path, capsys):

@@ -14,6 +14,12 @@ _HF_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "gelu_new", "re
 _LAYER_TYPES = ("hybrid", "hybrid_sliding")
 
 
+# the kernel choices of each *_impl field and of remat
+IMPLS = {"attention_impl": ("xla", "pallas", "cudnn"), "norm_impl": ("xla", "pallas"), "ce_impl": ("xla", "pallas"),
+         "conv_impl": ("xla", "pallas"), "solve_impl": ("xla", "pallas"),
+         "moe_impl": ("ragged", "pallas", "dense", "decode"), "remat": ("none", "full", "save_dots", "save_attention")}
+
+
 class ConfigError(ValueError):
     """A model configuration value that the ZAYA architecture cannot take."""
 
@@ -121,13 +127,8 @@ class ModelConfig:
         need(self.attention_dropout == 0.0, "attention_dropout > 0 is not supported (ZAYA1 trains without it)")
         need(self.dtype in COMPUTE_DTYPES, f"dtype {self.dtype!r} not supported")
         need(self.param_dtype in PARAM_DTYPES, f"param_dtype {self.param_dtype!r} not supported")
-        need(self.attention_impl in ("xla", "pallas", "cudnn"), f"attention_impl {self.attention_impl!r} unknown")
-        need(self.norm_impl in ("xla", "pallas"), f"norm_impl {self.norm_impl!r} unknown")
-        need(self.ce_impl in ("xla", "pallas"), f"ce_impl {self.ce_impl!r} unknown")
-        need(self.conv_impl in ("xla", "pallas"), f"conv_impl {self.conv_impl!r} unknown")
-        need(self.solve_impl in ("xla", "pallas"), f"solve_impl {self.solve_impl!r} unknown")
-        need(self.moe_impl in ("ragged", "pallas", "dense", "decode"), f"moe_impl {self.moe_impl!r} unknown")
-        need(self.remat in ("none", "full", "save_dots", "save_attention"), f"remat {self.remat!r} unknown")
+        for name, allowed in IMPLS.items():
+            need(getattr(self, name) in allowed, f"{name} {getattr(self, name)!r} unknown (use one of {allowed})")
         if self.vocab_size % 64:
             warnings.warn(f"vocab_size {self.vocab_size} is not a multiple of 64; GEMMs over the vocabulary run "
                           f"slower (ZAYA1 pads 262144 -> 262272)", stacklevel=3)

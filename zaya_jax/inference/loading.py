@@ -52,6 +52,10 @@ def orbax_directory(path) -> str:
     """The folder holding the numbered checkpoints: `path` itself or its checkpoints/ child (a run's workdir)."""
     child = os.path.join(path, "checkpoints")
     directory = child if os.path.isdir(child) else path
+    parent, name = os.path.split(os.path.abspath(path))
+    if name.isdigit() and os.path.basename(parent) == "checkpoints":
+        raise CheckpointError(f"{path} is the folder of one step: pass its run, --checkpoint "
+                              f"{os.path.dirname(parent)} --step {int(name)}")
     if not os.path.isdir(directory):
         raise CheckpointError(f"{path}: neither a Hugging Face directory (no {CONFIG_FILE}) nor an Orbax "
                               f"checkpoint folder")
