@@ -145,6 +145,33 @@ def test_routing_health_from_a_forward():
     np.testing.assert_allclose(h.max_load, [share.max()], rtol=1e-6)
 
 
+def test_evaluation_reports_the_inference_routing_of_its_real_rows():
+    """The eval step's routing statistics count the real rows only (padding rows of a source's last batch route
+    too), with the stored biases alone; the loss is the same as without a mask."""
+    from flax import nnx
+    from hf_reference.jax_side import random_model
+    from zaya_jax.train.step import make_eval_step
+    model = random_model(preset("tiny", num_hidden_layers=2, dtype="float32"), seed=11)
+    graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
+    step = jax.jit(make_eval_step(graphdef, 1))
+    rng, seed = fresh_rng()
+    ids = rng.integers(3, 512, (4, 33)).astype(np.int32)
+
+    def batch(rows, real):
+        return {"inputs": jnp.asarray(ids[:rows, :-1]), "targets": jnp.asarray(ids[:rows, 1:]),
+                "loss_mask": jnp.ones((rows, 32), jnp.float32),
+                "source_ids": jnp.asarray(np.where(np.arange(rows) < real, 0, -1), jnp.int32)}
+
+    loss_all, count_all, stats_all = step(params, model_state, batch(4, 2))
+    loss, count, stats = step(params, model_state, batch(2, 2))
+    np.testing.assert_allclose(loss_all, loss, rtol=1e-6, err_msg=f"seed {seed}")
+    assert float(count_all[0]) == float(count[0]) == 64
+    np.testing.assert_array_equal(routing_stats.unpack(stats_all).counts, routing_stats.unpack(stats).counts)
+    assert float(routing_stats.unpack(stats).counts[0].sum()) == 64  # every real token of layer 0, no padding
+    plain = model.forward(jnp.asarray(ids[:2, :-1]))[1].router_stats  # inference's routing: the biases alone
+    np.testing.assert_array_equal(routing_stats.unpack(plain).counts, routing_stats.unpack(stats).counts)
+
+
 def test_identical_on_every_data_parallel_rank():
     """Each of 8 ranks solves on its own tokens; after the psum every rank holds the same biases: the mean of the
     ranks' corrections folded in."""

@@ -234,13 +234,16 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, balancer: Balanc
 
 
 def make_eval_step(graphdef, num_sources: int, *, reset_at_documents: bool = False):
-    """Summed loss and token count per source (rows with source_id -1 are padding)."""
+    """Summed loss and token count per source (rows with source_id -1 are padding), and the routing statistics
+    of the real rows [L, 4 E + 6] (model/routing_stats.py): evaluation routes as inference does, with the stored
+    balancing biases alone."""
 
     def eval_step(params, model_state, batch):
         model = nnx.merge(graphdef, params, model_state)
-        logits, _ = model.forward(batch["inputs"], **model_inputs(batch, reset_at_documents))
+        real = jnp.broadcast_to(batch["source_ids"][:, None] >= 0, batch["inputs"].shape)
+        logits, aux = model.forward(batch["inputs"], real, **model_inputs(batch, reset_at_documents))
         terms, counted = token_cross_entropy_terms(logits, batch["targets"], loss_mask(batch, reset_at_documents))
         onehot = jax.nn.one_hot(batch["source_ids"], num_sources, dtype=jnp.float32)  # -1 -> zero row
-        return onehot.T @ terms.sum(-1), onehot.T @ counted.sum(-1)
+        return onehot.T @ terms.sum(-1), onehot.T @ counted.sum(-1), aux.router_stats
 
     return eval_step
