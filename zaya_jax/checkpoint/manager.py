@@ -10,11 +10,25 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+
+
+# When one array of a corrupt checkpoint cannot be read, Orbax's restore fails with it (reported, and a fallback
+# logged, in one line), and its sibling reads fail after that: asyncio reports each never-awaited one with its whole
+# TensorStore spec. Those reports are dropped; nothing else asyncio logs is.
+class _UnreadArrayTasks(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("never retrieved" in message and ("async_deserialize" in message
+                                                        or "Encountered error while reading array" in message))
+
+
+logging.getLogger("asyncio").addFilter(_UnreadArrayTasks())
 
 
 class CheckpointError(RuntimeError):
