@@ -55,7 +55,7 @@ ensure_ref_venv() {  # the Hugging Face reference: PyTorch (CPU) + transformers 
 }
 
 cmd=${1:-train}
-[[ $# -gt 0 ]] && shift
+if [[ $cmd == -* ]]; then cmd=train; else [[ $# -gt 0 ]] && shift; fi  # ./run.sh --workdir X ...: train's flags
 case $cmd in
   train) ensure_venv; exec .venv/bin/python -m launch.train "$@" ;;
   # two workers, one test file each: most of the suite is single-threaded compilation (2 cores in CI); files in
