@@ -17,9 +17,9 @@ STANDIN = os.path.join(ROOT, "tests", "fault_configs", "standin_trainer.py")
 STEPS = 10
 
 
-def supervise(workdir, faults, monkeypatch, **kw):
+def supervise(workdir, faults, monkeypatch, steps=STEPS, checkpoint_every=2, log_every=1, **kw):
     monkeypatch.setenv("PYTHONPATH", ROOT)  # the stand-in imports zaya_jax.fault
-    command = [sys.executable, STANDIN, str(workdir), faults, str(STEPS), "2"]  # checkpoints every 2 steps
+    command = [sys.executable, STANDIN, str(workdir), faults, str(steps), str(checkpoint_every), str(log_every)]
     cfg = SupervisorConfig(workdir=str(workdir), command=command, backoff_s=0.1, poll_s=0.1, stop_grace_s=5.0,
                            spike_min_steps=3, spike_z=8.0, **kw)
     return Supervisor(cfg).run()
@@ -74,4 +74,20 @@ def test_nan_spike_and_hang_are_rewound_skipped_and_restarted(tmp_path, monkeypa
     assert [r["resumed_from"] for r in standin if r["event"] == "start"] == [0, 2, 4, 6]
     # the bad steps' data is skipped by every later start: trained on everything else, once
     assert standin[-1]["trained"] == [s for s in range(1, STEPS + 1) if s not in (5, 8)]
-    assert checkpoints(wd) == [2, 4, 6, 10]  # 8 was skipped after the rewind: no step to save there
+    assert checkpoints(wd) == [2, 4, 6, 8, 10]  # the skipped step 8 counts as done: its checkpoint is 6's weights
+
+
+def test_a_nan_seen_in_a_row_of_several_steps_skips_every_step_of_the_row(tmp_path, monkeypatch):
+    """log_every 2: the NaN of step 9 shows in the row of step 10. Every step after the last good row is skipped
+    ([9, 10]), and the run ends at its last step with every other step trained once (only [10, 10] was skipped
+    before: step 9 poisoned each restart again, the rewinds marched to the end and the run was reported done
+    without a checkpoint past 8)."""
+    wd = tmp_path / "run"
+    assert supervise(wd, "nan@9", monkeypatch, steps=12, checkpoint_every=4, log_every=2, max_restarts=2) == 0
+    ev = rows(wd / "events.jsonl")
+    rewinds = [e for e in ev if e["event"] == "rewind"]
+    assert [(r["bad_step"], r["resume_from"], r["skip_steps"]) for r in rewinds] == [(10, 8, [9, 10])]
+    assert [e["attempt"] for e in ev if e["event"] == "restart"] == [1] and ev[-1]["event"] == "done"
+    assert rows(wd / "standin.jsonl")[-1]["trained"] == [*range(1, 9), 11, 12]
+    logged = [r["step"] for r in rows(wd / "metrics.jsonl")]
+    assert logged == [2, 4, 6, 8, 12] and checkpoints(wd) == [4, 8, 12]

@@ -3,8 +3,9 @@
   exit 0                      done
   crash / killed (any signal) restart from the latest finished checkpoint (retry budget, exponential backoff)
   hang                        no heartbeat for max(min_hang_s, hang_factor x median step time): SIGKILL, restart
-  NaN / Inf loss              rewind: checkpoints at or after the bad step are moved aside (never deleted), the bad
-                              step's data is skipped, restart from the latest earlier checkpoint
+  NaN / Inf loss              rewind: the data of every step since the last good logged row (or the checkpoint
+                              the attempt started from) is skipped, checkpoints among those steps are moved aside
+                              (never deleted), restart from the latest earlier checkpoint
   loss spike                  the same, when the loss sits more than spike_z robust z-scores (median/MAD of the
                               last spike_window steps) above the median
   the same failure at the     unknown: stop and notify a human instead of looping
@@ -125,20 +126,23 @@ class Supervisor:
         print(f"supervisor: {line} (events: {self.events_path})", file=sys.stderr, flush=True)
 
     # ---- actions --------------------------------------------------------------------------------------------------
-    def rewind(self, bad_step: int, reason: str):
-        """Move checkpoints at/after bad_step aside and mark the bad data to be skipped."""
+    def rewind(self, bad_step: int, reason: str, first_suspect: int | None = None):
+        """Move checkpoints inside the bad window aside and mark its data to be skipped: skip_window steps ending at
+        bad_step, and every step from first_suspect on (a logged row averages the steps since the last one, so a
+        NaN row at step 10 with log_every 2 may come from step 9)."""
+        first = bad_step - self.cfg.skip_window + 1
+        window = [max(1, min(first, bad_step if first_suspect is None else first_suspect)), bad_step]
         aside = os.path.join(self.cfg.workdir, "rewound", time.strftime("%Y%m%d-%H%M%S"))
         moved = []
-        for s in self._checkpoint_steps():
-            if s >= bad_step:
+        for s in self._checkpoint_steps():  # a checkpoint inside the window may hold the bad weights
+            if s >= window[0]:
                 os.makedirs(aside, exist_ok=True)
                 shutil.move(os.path.join(self.cfg.workdir, "checkpoints", str(s)), os.path.join(aside, str(s)))
                 moved.append(s)
         control = read_control(self.cfg.workdir)
-        window = [max(1, bad_step - self.cfg.skip_window + 1), bad_step]
         control["skip_steps"] = [list(w) for w in control["skip_steps"]] + [window]
         write_json_atomic(os.path.join(self.cfg.workdir, CONTROL), control)
-        resume = max([s for s in self._checkpoint_steps() if s < bad_step], default=0)
+        resume = max(self._checkpoint_steps(), default=0)
         self.event("rewind", reason=reason, bad_step=bad_step, resume_from=resume, skip_steps=window,
                    moved_checkpoints=moved, moved_to=aside if moved else None)
 
@@ -191,7 +195,7 @@ class Supervisor:
                 self._say(f"gave up after {restarts} restarts without progress; last failure: {_describe(verdict)}")
                 return 1
             if verdict["kind"] in ("nonfinite", "spike"):
-                self.rewind(verdict["bad_step"], verdict["kind"])
+                self.rewind(verdict["bad_step"], verdict["kind"], verdict.get("first_suspect"))
                 history[:] = [(st, x) for st, x in history if st < verdict["bad_step"]]
             restarts += 1
             self.event("restart", attempt=restarts, backoff_s=backoff, **verdict)
@@ -203,17 +207,24 @@ class Supervisor:
         beats: list[tuple[float, int]] = []
         last_seen = time.time()
         seen_step = start_beat.get("step")
+        # the last step known good: the checkpoint this attempt resumes from, then each finite logged row; a bad row
+        # may come from any step after it, and an attempt progressed only if it logged a good row
+        resumed = last_good = max(self._checkpoint_steps(), default=0)
+
+        def bad(kind, step, **detail):
+            return {"kind": kind, "bad_step": step, "first_suspect": last_good + 1, "step": step, "offset": offset,
+                    "progressed": last_good > resumed, **detail}
+
         while True:
             rows, offset = self._losses(offset)
             for step, loss in rows:
                 if not math.isfinite(loss):
                     group.stop(cfg.stop_grace_s)
-                    return {"kind": "nonfinite", "bad_step": step, "step": step, "offset": offset,
-                            "progressed": True}
+                    return bad("nonfinite", step)
                 if self._is_spike(loss, [x for _, x in history]):
                     group.stop(cfg.stop_grace_s)
-                    return {"kind": "spike", "bad_step": step, "step": step, "loss": loss, "offset": offset,
-                            "progressed": True}
+                    return bad("spike", step, loss=loss)
+                last_good = step
                 history.append((step, loss))
                 del history[:-cfg.spike_window]
             hb = read_json(hb_path, {}) or {}
@@ -227,14 +238,15 @@ class Supervisor:
             if code is not None:
                 group.stop(cfg.peer_grace_s)  # the ranks still running wait on the dead one's collectives
                 rows, offset = self._losses(offset)
-                bad = next(((s, x) for s, x in rows if not math.isfinite(x)), None)
+                for s, x in rows:
+                    if not math.isfinite(x):
+                        return bad("nonfinite", s)
+                    last_good = s
                 progressed = seen_step != start_beat.get("step")
                 if code == 0:
                     return {"kind": "done", "step": seen_step, "offset": offset}
-                if code == EXIT_NONFINITE or bad:
-                    step = bad[0] if bad else (seen_step or 0) + 1
-                    return {"kind": "nonfinite", "bad_step": step, "step": step, "offset": offset,
-                            "progressed": progressed}
+                if code == EXIT_NONFINITE:
+                    return bad("nonfinite", (seen_step or 0) + 1)
                 how = f"signal {-code}" if code < 0 else f"exit {code}"
                 where = {"rank": group.failed[0]} if group.nproc > 1 else {}
                 return {"kind": "crash", "how": how, **where, "step": seen_step, "offset": offset,

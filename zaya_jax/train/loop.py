@@ -223,38 +223,40 @@ def _run(config: ConfigDict, workdir: str, *, log, closers: list) -> dict:
         k = plan.accumulation_at(step)
         microbatches = [next(it) for _ in range(k)]  # the data iterator's state moves on by whole steps
         if skipped(done, skip_windows):  # data the supervisor marked bad (NaN / loss spike): read past it
+            # the step counts as done, unchanged: its heartbeat, evaluation and checkpoint (the final one
+            # included) still come below
             log(f"step {done}: skipping its data (supervisor rewind)")
-            continue
-        state, m = step_fn(state, stacked_on_devices(microbatches, batch_sharding))
-        faults.after_dispatch(done)
-        for name, v in m.items():
-            sums[name] = sums.get(name, 0.0) + v
-        step_count += 1
-        meter.add(k * tokens_per_micro)
-        if faults.poisoned("nan", done):  # what a poisoned batch does: non-finite weights and loss
-            state = {**state, "params": jax.tree.map(lambda p: p * jnp.nan, state["params"])}
-            sums["loss"] = sums["loss"] * jnp.nan
-        if faults.poisoned("spike", done):
-            sums["loss"] = sums["loss"] * 50.0
-        if not meter.started:  # the first step run (skipped data may come first) compiles: not measured
-            jax.block_until_ready(state)
-            meter.start()
-        if done % t.log_every == 0 or done == plan.steps:
-            last = routing_metrics.flatten({name: np.asarray(v) / step_count for name, v in sums.items()})
-            sums, step_count = {}, 0
-            tps = meter.rate()
-            if tps is not None:  # a row of only the compiling step (the first after a start or resume) has none
-                last["tokens_per_s"] = tps
-                if peak:
-                    last["mfu"] = tps * flops_tok / (peak * jax.device_count())
-            last.update({f"lr_{k}": float(v) for k, v in learning_rates(state["opt_state"]).items()})
-            writer.write(done, last)
-            progress(done, last)
-            if not math.isfinite(last["loss"]):
-                log(f"step {done}: loss is {last['loss']}; stopping without saving (exit {EXIT_NONFINITE})")
-                writer.close()
-                ckpt.wait()  # an earlier, good checkpoint may still be writing: finish it, it is the rewind point
-                os._exit(EXIT_NONFINITE)  # no checkpoint of a broken state; the supervisor rewinds
+        else:
+            state, m = step_fn(state, stacked_on_devices(microbatches, batch_sharding))
+            faults.after_dispatch(done)
+            for name, v in m.items():
+                sums[name] = sums.get(name, 0.0) + v
+            step_count += 1
+            meter.add(k * tokens_per_micro)
+            if faults.poisoned("nan", done):  # what a poisoned batch does: non-finite weights and loss
+                state = {**state, "params": jax.tree.map(lambda p: p * jnp.nan, state["params"])}
+                sums["loss"] = sums["loss"] * jnp.nan
+            if faults.poisoned("spike", done):
+                sums["loss"] = sums["loss"] * 50.0
+            if not meter.started:  # the first step run (skipped data may come first) compiles: not measured
+                jax.block_until_ready(state)
+                meter.start()
+            if done % t.log_every == 0 or done == plan.steps:
+                last = routing_metrics.flatten({name: np.asarray(v) / step_count for name, v in sums.items()})
+                sums, step_count = {}, 0
+                tps = meter.rate()
+                if tps is not None:  # a row of only the compiling step (the first after a start or resume) has none
+                    last["tokens_per_s"] = tps
+                    if peak:
+                        last["mfu"] = tps * flops_tok / (peak * jax.device_count())
+                last.update({f"lr_{k}": float(v) for k, v in learning_rates(state["opt_state"]).items()})
+                writer.write(done, last)
+                progress(done, last)
+                if not math.isfinite(last["loss"]):
+                    log(f"step {done}: loss is {last['loss']}; stopping without saving (exit {EXIT_NONFINITE})")
+                    writer.close()
+                    ckpt.wait()  # an earlier, good checkpoint may still be writing: finish it, it is the rewind point
+                    os._exit(EXIT_NONFINITE)  # no checkpoint of a broken state; the supervisor rewinds
         if lead:
             beat(workdir, done)
         faults.after_step(done)
