@@ -48,6 +48,10 @@ def test_bad_inputs_are_named(tmp_path):
         list(iter_documents([str(bad)]))
     with pytest.raises(DataError, match="no such input"):
         list(iter_documents([str(tmp_path / "missing.txt")]))
+    for value, kind in (("null", "NoneType"), ("5", "int"), ('["a"]', "list")):
+        bad.write_text(f'{{"text": "ok"}}\n{{"text": {value}}}\n')
+        with pytest.raises(DataError, match=f"bad.jsonl:2: the 'text' field is {kind}, not text"):
+            list(iter_documents([str(bad)]))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("pyarrow") is not None, reason="pyarrow is installed")

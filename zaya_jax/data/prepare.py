@@ -102,7 +102,10 @@ def _jsonl_documents(path: str, text_key: str) -> Iterator[str]:
                 raise DataError(f"{path}:{line_number}: not valid JSON ({e.msg})") from e
             if not isinstance(record, dict) or text_key not in record:
                 raise DataError(f"{path}:{line_number}: no {text_key!r} field")
-            yield str(record[text_key])
+            text = record[text_key]
+            if not isinstance(text, str):  # str() would turn null into the document "None"
+                raise DataError(f"{path}:{line_number}: the {text_key!r} field is {type(text).__name__}, not text")
+            yield text
 
 
 def _parquet_documents(path: str, text_key: str) -> Iterator[str]:
@@ -115,7 +118,11 @@ def _parquet_documents(path: str, text_key: str) -> Iterator[str]:
     if text_key not in table.schema_arrow.names:
         raise DataError(f"{path}: no column {text_key!r} (columns: {table.schema_arrow.names})")
     for batch in table.iter_batches(columns=[text_key]):
-        yield from (str(text) for text in batch.column(0).to_pylist() if text is not None)
+        for text in batch.column(0).to_pylist():
+            if text is not None and not isinstance(text, str):
+                raise DataError(f"{path}: column {text_key!r} holds {type(text).__name__} values, not text")
+            if text is not None:
+                yield text
 
 
 @dataclasses.dataclass
