@@ -8,6 +8,8 @@
 """
 
 import argparse
+import os
+import shutil
 import sys
 
 import jax.numpy as jnp
@@ -21,6 +23,10 @@ from zaya_jax.config import COMPUTE_DTYPES, PRESETS, preset
 from zaya_jax.param_count import abstract_param_counts, format_param_counts
 
 from launch._cli import ArgumentParser, user_errors
+
+
+# the tokenizer and generation files --roundtrip copies from HF_DIR
+HF_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
 @user_errors("launch.convert_hf")
@@ -66,6 +72,9 @@ def main(argv=None):
             save_dtype = args.save_dtype or stored_dtype(args.hf_dir)
             out = to_hf(model, args.roundtrip, dtype=save_dtype and jnp.dtype(save_dtype),
                         max_shard_bytes=args.max_shard_bytes, overwrite=args.overwrite)
+            for name in HF_SIDE_FILES:  # what a HF directory needs beside the weights, as --export writes it
+                if os.path.isfile(os.path.join(args.hf_dir, name)):
+                    shutil.copyfile(os.path.join(args.hf_dir, name), out / name)
             print(f"exported to {out}")
     except ZayaCheckpointError as e:
         sys.exit(f"convert_hf: {e}")

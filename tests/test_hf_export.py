@@ -103,3 +103,31 @@ def test_transformers_loads_our_export(models, tmp_path):
                 assert err <= 2e-5, f"{name}/{case['name']}: transformers' logits differ, max-rel {err:.3e}"
         finally:
             model.model.layers.mlp.gate.balancing_biases.set_value(jnp.asarray(ours))
+
+
+def test_export_keeps_the_users_file_mode_and_the_cli_roundtrip_its_tokenizer(models, tmp_path, capsys):
+    import os
+    import stat
+
+    from launch import convert_hf
+    from zaya_jax.checkpoint.export import write_tokenizer
+    src = zaya_jax.to_hf(models["tied"], tmp_path / "src")
+    umask = os.umask(0)
+    os.umask(umask)
+    mode = stat.S_IMODE((src / "model.safetensors").stat().st_mode)
+    assert mode == 0o666 & ~umask, oct(mode)  # safetensors alone writes 0600
+    write_tokenizer("byte", src, model_max_length=64)
+    (src / "generation_config.json").write_text('{"eos_token_id": 1}\n')
+    convert_hf.main([str(src), "--roundtrip", str(tmp_path / "out")])
+    for name in ("tokenizer.json", "generation_config.json"):
+        assert (tmp_path / "out" / name).read_bytes() == (src / name).read_bytes()
+    with pytest.raises(SystemExit, match="--overwrite"):  # the CLI's own flag is named
+        convert_hf.main([str(src), "--roundtrip", str(tmp_path / "out")])
+
+
+def test_export_into_a_training_run_is_refused(models, tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    with pytest.raises(zaya_jax.checkpoint.errors.ZayaCheckpointError, match="is a training run"):
+        zaya_jax.to_hf(models["tied"], run, overwrite=True)
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints"]

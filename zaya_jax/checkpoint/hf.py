@@ -168,11 +168,14 @@ def to_hf(model: ZayaForCausalLM, path, *, dtype=None, max_shard_bytes: int = DE
     `dtype` casts the parameters (default: as stored); balancing biases stay fp32 like the HF buffer. A tied
     lm_head is not written. Refuses to mix with existing weight files unless `overwrite`."""
     directory = Path(path)
+    if (directory / "run.json").exists() or (directory / "checkpoints").is_dir():
+        raise ZayaCheckpointError(f"{directory} is a training run (run.json, checkpoints/): export to another "
+                                  "directory")
     directory.mkdir(parents=True, exist_ok=True)
     old = existing_weight_files(directory)
     if old and not overwrite:
         raise ZayaCheckpointError(f"{directory} already holds weights ({', '.join(f.name for f in old)}); "
-                                  f"pass overwrite=True to replace them")
+                                  f"overwrite them explicitly (overwrite=True; launch.convert_hf --overwrite)")
     for f in old:
         f.unlink()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -77,6 +78,15 @@ def existing_weight_files(directory: Path) -> list[Path]:
     return sorted(directory.glob("model*.safetensors")) + sorted(directory.glob(INDEX_FILE))
 
 
+def _default_file_mode() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+_FILE_MODE = _default_file_mode()
+
+
 def write_sharded(directory: Path, entries: Sequence[tuple[str, tuple[int, ...], np.dtype]],
                   produce: Callable[[str], np.ndarray], max_shard_bytes: int) -> list[Path]:
     """Writes the tensors named by `entries` (key, shape, dtype), calling `produce(key)` for each one while its
@@ -104,6 +114,7 @@ def write_sharded(directory: Path, entries: Sequence[tuple[str, tuple[int, ...],
             tensors[key] = array
             weight_map[key] = name
         save_file(tensors, str(directory / name), metadata={"format": "pt"})  # transformers requires 'format'
+        os.chmod(directory / name, _FILE_MODE)  # safetensors writes 0600; the user's other files follow the umask
         del tensors
     if n > 1:
         index = {"metadata": {"total_size": int(sum(sizes))}, "weight_map": weight_map}
