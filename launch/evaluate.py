@@ -15,8 +15,8 @@ from launch._cli import flag_errors, run_absl
 _DEFAULT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "default.py")
 with flag_errors("launch.evaluate"):  # ml_collections applies --config.x overrides here
     from zaya_jax.train.cli_config import define_config_flag
-    define_config_flag(_DEFAULT, sys.argv, "runs/default", "the run's ml-collections config file (default: the run's recorded one, "
-                       "else configs/default.py)")
+    define_config_flag(_DEFAULT, sys.argv, "runs/default",
+                       "ml-collections config file (default: the run's recorded one, else configs/default.py)")
 flags.DEFINE_string("workdir", "runs/default", "run directory holding checkpoints/")
 flags.DEFINE_integer("step", None, "checkpoint step (default: latest)")
 flags.DEFINE_integer("max_batches", None, "eval batches per source (default: the run's train.eval_batches, as "

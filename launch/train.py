@@ -18,8 +18,8 @@ from launch._cli import flag_errors, run_absl
 _DEFAULT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "default.py")
 with flag_errors("launch.train"):  # ml_collections applies --config.x overrides here
     from zaya_jax.train.cli_config import define_config_flag
-    define_config_flag(_DEFAULT, sys.argv, "runs/default", "ml-collections config file (default: the run's recorded one, "
-                       "else configs/default.py)")
+    define_config_flag(_DEFAULT, sys.argv, "runs/default",
+                       "ml-collections config file (default: the run's recorded one, else configs/default.py)")
 flags.DEFINE_string("workdir", "runs/default", "run directory (metrics, checkpoints)")
 
 
