@@ -81,7 +81,7 @@ def test_missing_orbax_step_is_reported(tmp_path):
     save_training_checkpoint(model, tmp_path, step=3)
     with pytest.raises(CheckpointError, match="no checkpoint for step 7"):
         load_model(tmp_path, step=7)
-    with pytest.raises(CheckpointError, match=f"the folder of one step: pass its run, --checkpoint {tmp_path} --step 3"):
+    with pytest.raises(CheckpointError, match=f"folder of one step: pass its run, --checkpoint {tmp_path} --step 3"):
         load_model(tmp_path / "checkpoints" / "3")
 
 
