@@ -22,7 +22,8 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     split = argv.index("--") if "--" in argv else len(argv)  # parsed first, so --help works without a command
     ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--max-restarts", type=int, default=5)
+    ap.add_argument("--max-restarts", type=int, default=5,
+                    help="restarts in a row without getting past the furthest step reached; then it gives up")
     ap.add_argument("--backoff", type=float, default=1.0, help="first restart delay (s), doubling")
     ap.add_argument("--hang-factor", type=float, default=10.0, help="hang = no step for this x median step time")
     ap.add_argument("--min-hang", type=float, default=60.0, help="never call a hang sooner than this (s)")

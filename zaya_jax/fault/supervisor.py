@@ -10,6 +10,12 @@
                               last spike_window steps) above the median
   the same failure at the     unknown: stop and notify a human instead of looping
   same step twice, no progress
+  exit 0 short of the end     the trainer's last heartbeat is not its finishing one, or its final checkpoint is
+                              missing: stop and say so, never `done`
+Restarts: each is numbered (`attempt` in its event: 1, 2, 3, ... over the whole run); `max_restarts` bounds the
+restarts in a row without progress. An attempt made progress only if it got past the furthest step any earlier one
+reached (a good logged row, or a heartbeat for a crash or hang): an attempt that rewinds to a checkpoint, logs the
+same good rows again and fails before the furthest step is a restart without progress, not a new start.
 Several processes (`group.nproc` > 1, one host): the command runs once per rank with the jax.distributed
 variables and its own devices (zaya_jax/fault/group.py); process 0 writes the heartbeat and the metrics. When any
 rank dies, the others cannot finish their collectives: they are stopped (SIGTERM, SIGKILL after peer_grace_s) and
@@ -163,22 +169,33 @@ class Supervisor:
     # ---- the watch loop -------------------------------------------------------------------------------------------
     def run(self) -> int:
         cfg = self.cfg
-        restarts, backoff = 0, cfg.backoff_s
+        restarts, in_a_row, backoff = 0, 0, cfg.backoff_s  # all restarts; those since the last progress
         last_failure = None
         history: list[tuple[int, float]] = []  # (step, loss) of recent good steps, for the spike statistics
+        self.reached = max(self._checkpoint_steps(), default=0)  # the furthest step known good of any attempt
         while True:
             env, nproc = self._devices_env()
             hb_path = os.path.join(cfg.workdir, HEARTBEAT)
             start_beat = read_json(hb_path, {}) or {}
             offset = self._restart_offset(history)
+            started = time.time()
             group = ProcessGroup(cfg.command, cfg.group, env, nproc)
             self.event("start", pid=group.pids[0], pids=group.pids, nproc=nproc, command=cfg.command,
                        devices=env.get("ZAYA_NUM_DEVICES"), from_step=start_beat.get("step"))
-            verdict = self._watch(group, hb_path, start_beat, offset, history)
+            verdict = self._watch(group, hb_path, start_beat, offset, history, started)
             verdict.pop("offset")
+            reached = verdict.pop("reached", None)
+            progressed = reached is not None and reached > self.reached
+            if progressed:
+                self.reached = reached
             if verdict["kind"] == "done":
                 self.event("done", step=verdict.get("step"))
                 return 0
+            if verdict["kind"] == "incomplete":
+                self.event("gave_up", restarts=restarts, **verdict)
+                self._say(f"stopping: {_describe(verdict)}; the run did not reach its last step, not reporting it "
+                          "done")
+                return 1
             step = verdict.get("step")
             signature = (verdict["kind"], step)
             if signature == last_failure and verdict["kind"] in ("crash", "nonfinite"):
@@ -187,33 +204,44 @@ class Supervisor:
                           "human")
                 return 2
             last_failure = signature
-            progressed = verdict.pop("progressed", False)
             if progressed:
-                restarts, backoff = 0, cfg.backoff_s
-            if restarts >= cfg.max_restarts:
-                self.event("gave_up", restarts=restarts, **verdict)
-                self._say(f"gave up after {restarts} restarts without progress; last failure: {_describe(verdict)}")
+                in_a_row, backoff = 0, cfg.backoff_s
+            if in_a_row >= cfg.max_restarts:
+                self.event("gave_up", restarts=restarts, without_progress=in_a_row, **verdict)
+                self._say(f"gave up after {in_a_row} restarts without progress past step {self.reached} "
+                          f"(--max-restarts {cfg.max_restarts}); last failure: {_describe(verdict)}")
                 return 1
             if verdict["kind"] in ("nonfinite", "spike"):
                 self.rewind(verdict["bad_step"], verdict["kind"], verdict.get("first_suspect"))
                 history[:] = [(st, x) for st, x in history if st < verdict["bad_step"]]
             restarts += 1
-            self.event("restart", attempt=restarts, backoff_s=backoff, **verdict)
+            in_a_row += 1
+            self.event("restart", attempt=restarts, without_progress=in_a_row, backoff_s=backoff, **verdict)
             time.sleep(backoff)
             backoff = min(60.0, backoff * 2)
 
-    def _watch(self, group: ProcessGroup, hb_path, start_beat, offset, history) -> dict:
+    def _watch(self, group: ProcessGroup, hb_path, start_beat, offset, history, started=0.0) -> dict:
+        """Watches one attempt to its end; returns the verdict: its kind, the step it concerns, and `reached`: the
+        furthest step it got to that is known good (its last good row; for a crash, hang or exit, its last
+        heartbeat), which run() compares with every earlier attempt's to tell progress."""
         cfg = self.cfg
         beats: list[tuple[float, int]] = []
         last_seen = time.time()
         seen_step = start_beat.get("step")
         # the last step known good: the checkpoint this attempt resumes from, then each finite logged row; a bad row
-        # may come from any step after it, and an attempt progressed only if it logged a good row
+        # may come from any step after it
         resumed = last_good = max(self._checkpoint_steps(), default=0)
 
+        def own_beat():
+            """The step of this attempt's latest heartbeat, or None (the file may still hold an earlier attempt's,
+            and that one may be past the checkpoint this attempt resumed from)."""
+            hb = read_json(hb_path, {}) or {}
+            return hb.get("step") if hb.get("time", 0.0) >= started else None
+
         def bad(kind, step, **detail):
+            step = max(step, last_good + 1)
             return {"kind": kind, "bad_step": step, "first_suspect": last_good + 1, "step": step, "offset": offset,
-                    "progressed": last_good > resumed, **detail}
+                    "reached": last_good, **detail}
 
         while True:
             rows, offset = self._losses(offset)
@@ -242,23 +270,44 @@ class Supervisor:
                     if not math.isfinite(x):
                         return bad("nonfinite", s)
                     last_good = s
-                progressed = seen_step != start_beat.get("step")
+                # read again: the process may have beaten (and exited) after this round's read above
+                beat_step = own_beat()
+                if beat_step is not None:
+                    seen_step = beat_step
+                reached = max(last_good, beat_step or 0)
                 if code == 0:
-                    return {"kind": "done", "step": seen_step, "offset": offset}
+                    return self._finished(offset, reached, started)
                 if code == EXIT_NONFINITE:
-                    return bad("nonfinite", (seen_step or 0) + 1)
+                    # the trainer stops at a non-finite row before that step's heartbeat, after its row: a row
+                    # not read (a rank that does not log, a row cut short) is the step after its last heartbeat
+                    return bad("nonfinite", (resumed if beat_step is None else beat_step) + 1)
                 how = f"signal {-code}" if code < 0 else f"exit {code}"
                 where = {"rank": group.failed[0]} if group.nproc > 1 else {}
                 return {"kind": "crash", "how": how, **where, "step": seen_step, "offset": offset,
-                        "progressed": progressed}
+                        "reached": reached}
             timeout = self._hang_timeout(beats) if beats and not finishing else cfg.startup_s
             if time.time() - last_seen > timeout:
                 self.event("hang", step=seen_step, silent_s=round(time.time() - last_seen, 1),
                            timeout_s=round(timeout, 1))
                 group.stop(0.0)  # a hung main thread never reaches its stop check: no grace
                 return {"kind": "hang", "step": seen_step, "offset": offset,
-                        "progressed": seen_step != start_beat.get("step")}
+                        "reached": max(last_good, own_beat() or 0)}
             time.sleep(cfg.poll_s)
+
+    def _finished(self, offset: int, reached: int, started: float) -> dict:
+        """The verdict of an exit 0: done, or incomplete when this attempt's last heartbeat is not its finishing one
+        (it stopped short of its last step) or the step of the finishing heartbeat has no checkpoint. A command that
+        writes no heartbeat, or a trainer that found the run already trained (no heartbeat of its own), is taken at
+        its word."""
+        hb = read_json(os.path.join(self.cfg.workdir, HEARTBEAT), {}) or {}
+        step, latest = hb.get("step"), max(self._checkpoint_steps(), default=None)
+        verdict = {"step": step, "offset": offset, "reached": reached}
+        if step is not None and hb.get("time", 0.0) >= started and not hb.get("finishing", False):
+            return {"kind": "incomplete", "how": "exit 0 before its last step", **verdict}
+        if step is not None and hb.get("finishing", False) and (latest is None or latest < step):
+            return {"kind": "incomplete", "how": f"exit 0 without its final checkpoint; the latest is {latest}",
+                    **verdict}
+        return {"kind": "done", **verdict}
 
     def _hang_timeout(self, beats) -> float:
         if len(beats) < 3:
