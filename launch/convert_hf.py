@@ -1,22 +1,22 @@
 """python -m launch.convert_hf : Hugging Face ZAYA checkpoints in and out of zaya-jax.
 
   python -m launch.convert_hf HF_DIR --check               load, print parameter counts and a logits checksum
-  python -m launch.convert_hf HF_DIR --roundtrip OUT_DIR   load and export again as a HF directory
+  python -m launch.convert_hf HF_DIR --roundtrip OUT_DIR   load and export again as a HF directory, with
+      HF_DIR's tokenizer files and generation_config.json (written from config.json where HF_DIR has none)
   python -m launch.convert_hf --count zaya1_8b             parameter counts of a preset (nothing allocated)
   python -m launch.convert_hf RUN --export OUT_DIR [--step N]   a training run as a HF directory: config.json,
       safetensors, the run's tokenizer (tokenizer.json + tokenizer_config.json) and generation_config.json
 """
 
 import argparse
-import os
-import shutil
 import sys
 
 import jax.numpy as jnp
 
 from zaya_jax.checkpoint.errors import ZayaCheckpointError
-from zaya_jax.checkpoint.export import export_run
-from zaya_jax.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, from_hf, stored_dtype, to_hf
+from zaya_jax.checkpoint.export import copy_side_files, export_run
+from zaya_jax.checkpoint.hf import (DEFAULT_MAX_SHARD_BYTES, ExistingWeightsError, check_export_target, from_hf,
+                                    stored_dtype, to_hf)
 from zaya_jax.checkpoint.hf_check import check_report
 from zaya_jax.checkpoint.manager import CheckpointError
 from zaya_jax.config import COMPUTE_DTYPES, PRESETS, preset
@@ -25,8 +25,12 @@ from zaya_jax.param_count import abstract_param_counts, format_param_counts
 from launch._cli import ArgumentParser, user_errors
 
 
-# the tokenizer and generation files --roundtrip copies from HF_DIR
-HF_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+def _message(e: Exception) -> str:
+    if isinstance(e, ExistingWeightsError):
+        return e.hint("--overwrite")  # the library's message names overwrite=True
+    if isinstance(e, OSError) and e.filename is not None:  # an OUT_DIR that cannot be written
+        return f"{e.filename}: {e.strerror or e}"
+    return str(e)
 
 
 @user_errors("launch.convert_hf")
@@ -58,13 +62,15 @@ def main(argv=None):
         try:
             out = export_run(args.hf_dir, args.export, step=args.step, tokenizer=args.tokenizer,
                              dtype=args.save_dtype, max_shard_bytes=args.max_shard_bytes, overwrite=args.overwrite)
-        except (ValueError, ZayaCheckpointError, CheckpointError) as e:
-            sys.exit(f"convert_hf: {e}")
+        except (ValueError, ZayaCheckpointError, CheckpointError, OSError) as e:
+            sys.exit(f"convert_hf: {_message(e)}")
         print(f"exported to {out}")
         return out
     if not (args.check or args.roundtrip):
         ap.error("HF_DIR needs --check and/or --roundtrip OUT_DIR")
     try:
+        if args.roundtrip:  # before the model is loaded: a refused OUT_DIR fails at once
+            check_export_target(args.roundtrip, source=args.hf_dir, overwrite=args.overwrite)
         model = from_hf(args.hf_dir, dtype=jnp.dtype(args.dtype))
         if args.check:
             print(check_report(model))
@@ -72,13 +78,12 @@ def main(argv=None):
             save_dtype = args.save_dtype or stored_dtype(args.hf_dir)
             out = to_hf(model, args.roundtrip, dtype=save_dtype and jnp.dtype(save_dtype),
                         max_shard_bytes=args.max_shard_bytes, overwrite=args.overwrite)
-            for name in HF_SIDE_FILES:  # what a HF directory needs beside the weights, as --export writes it
-                if os.path.isfile(os.path.join(args.hf_dir, name)):
-                    shutil.copyfile(os.path.join(args.hf_dir, name), out / name)
+            if "tokenizer.json" not in copy_side_files(args.hf_dir, out, model.cfg):
+                print(f"convert_hf: {args.hf_dir} has no tokenizer.json, so neither has {out} (AutoTokenizer "
+                      "cannot load it; launch.generate needs --tokenizer)", file=sys.stderr)
             print(f"exported to {out}")
-    except ZayaCheckpointError as e:
-        sys.exit(f"convert_hf: {e}")
-
+    except (ZayaCheckpointError, OSError) as e:
+        sys.exit(f"convert_hf: {_message(e)}")
 
 if __name__ == "__main__":
     main()

@@ -48,10 +48,26 @@ def test_bad_inputs_are_named(tmp_path):
         list(iter_documents([str(bad)]))
     with pytest.raises(DataError, match="no such input"):
         list(iter_documents([str(tmp_path / "missing.txt")]))
-    for value, kind in (("null", "NoneType"), ("5", "int"), ('["a"]', "list")):
+    for value, kind in (("null", "null"), ("5", "a number"), ("true", "a boolean"), ('["a"]', "an array"),
+                        ('{"a": 1}', "an object")):
         bad.write_text(f'{{"text": "ok"}}\n{{"text": {value}}}\n')
-        with pytest.raises(DataError, match=f"bad.jsonl:2: the 'text' field is {kind}, not text"):
+        with pytest.raises(DataError, match=f"bad.jsonl:2: the 'text' field is {kind}, not a string"):
             list(iter_documents([str(bad)]))
+
+
+def test_cli_refuses_a_non_string_text_field_and_keeps_the_old_output(tmp_path, capsys):
+    src = tmp_path / "docs.jsonl"
+    src.write_text('{"text": "hello"}\n')
+    out = str(tmp_path / "out")
+    assert prepare_main([str(src), "--output-prefix", out]) == 0
+    before = {p.name: p.read_bytes() for p in tmp_path.glob("out.*")}
+    capsys.readouterr()
+    for value, kind in (("null", "null"), ("5", "a number")):  # were the documents "None" and "5"
+        src.write_text(f'{{"text": "hello"}}\n{{"text": {value}}}\n')
+        assert prepare_main([str(src), "--output-prefix", out]) == 1
+        err = capsys.readouterr().err
+        assert err == f"prepare_data: {src}:2: the 'text' field is {kind}, not a string\n"
+        assert {p.name: p.read_bytes() for p in tmp_path.glob("out.*")} == before  # the last dataset stays
 
 
 @pytest.mark.skipif(importlib.util.find_spec("pyarrow") is not None, reason="pyarrow is installed")

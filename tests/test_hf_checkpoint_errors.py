@@ -125,3 +125,36 @@ def test_export_refuses_to_mix_with_existing_weights(good_dir, tmp_path):
         zaya_jax.to_hf(model, target)
     zaya_jax.to_hf(model, target, overwrite=True)  # replaces the shards and the index by one file
     assert sorted(p.name for p in target.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_a_failed_overwrite_keeps_the_old_weights(good_dir, tmp_path, monkeypatch):
+    from zaya_jax.checkpoint import safetensors_io
+    model = zaya_jax.from_hf(good_dir)
+    target = zaya_jax.to_hf(model, tmp_path / "out")
+    before = {p.name: p.read_bytes() for p in target.iterdir()}
+    real, calls = safetensors_io.save_file, []
+
+    def disk_fills_up(*args, **kwargs):  # the first shard is written, the second finds the disk full
+        calls.append(args[1])
+        if len(calls) > 1:
+            raise OSError(28, "No space left on device")
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(safetensors_io, "save_file", disk_fills_up)
+    with pytest.raises(OSError, match="No space left"):
+        zaya_jax.to_hf(model, target, max_shard_bytes=20_000, overwrite=True)
+    assert len(calls) == 2
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before  # no temporary shard left either
+    monkeypatch.undo()
+    assert zaya_jax.from_hf(target).cfg == CFG
+
+
+def test_cli_export_to_a_file_is_one_line(good_dir, tmp_path):
+    from launch import convert_hf
+    target = tmp_path / "notes.txt"
+    target.write_text("mine\n")
+    with pytest.raises(SystemExit, match=f"^convert_hf: {target} is a file, not a directory"):
+        convert_hf.main([str(good_dir), "--roundtrip", str(target), "--overwrite"])
+    assert target.read_text() == "mine\n"
+    with pytest.raises(SystemExit, match=r"^convert_hf: .*notes.txt/out: Not a directory$"):
+        convert_hf.main([str(good_dir), "--roundtrip", str(target / "out")])

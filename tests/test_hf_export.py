@@ -4,6 +4,8 @@ directory we export is loaded by transformers' ZayaForCausalLM.from_pretrained w
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import jax.numpy as jnp
 import numpy as np
@@ -14,8 +16,11 @@ import zaya_jax
 from hf_reference.cases import make_cases
 from hf_reference.client import requires_reference, results, run_reference
 from hf_reference.jax_side import logits_of, max_rel, random_model
+from launch import convert_hf
 from zaya_jax.checkpoint import hf
+from zaya_jax.checkpoint.export import SIDE_FILES, write_tokenizer
 from zaya_jax.config import tiny
+from zaya_jax.data.tokenizer import load_tokenizer
 from zaya_jax.model.base import BalancingBias
 
 SMALL = dict(num_hidden_layers=2, vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -105,29 +110,72 @@ def test_transformers_loads_our_export(models, tmp_path):
             model.model.layers.mlp.gate.balancing_biases.set_value(jnp.asarray(ours))
 
 
-def test_export_keeps_the_users_file_mode_and_the_cli_roundtrip_its_tokenizer(models, tmp_path, capsys):
-    import os
-    import stat
+def test_weights_follow_the_umask_as_the_other_files(models, tmp_path):
+    old = os.umask(0o027)  # not the usual 022, so that neither safetensors' 0600 nor a fixed 0644 passes
+    try:
+        single = zaya_jax.to_hf(models["tied"], tmp_path / "single")
+        sharded = zaya_jax.to_hf(models["tied"], tmp_path / "sharded", max_shard_bytes=100_000)
+    finally:
+        os.umask(old)
+    for directory in (single, sharded):
+        modes = {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in directory.iterdir()}
+        assert set(modes.values()) == {oct(0o640)}, modes  # config.json's too; no temporary file is left
+        assert not any(name.startswith(".") for name in modes)
 
-    from launch import convert_hf
-    from zaya_jax.checkpoint.export import write_tokenizer
+
+def test_cli_roundtrip_writes_the_tokenizer_and_generation_files(models, tmp_path, capsys):
     src = zaya_jax.to_hf(models["tied"], tmp_path / "src")
-    umask = os.umask(0)
-    os.umask(umask)
-    mode = stat.S_IMODE((src / "model.safetensors").stat().st_mode)
-    assert mode == 0o666 & ~umask, oct(mode)  # safetensors alone writes 0600
+    bare = tmp_path / "bare"  # no tokenizer: generation_config.json from config.json, and a warning
+    convert_hf.main([str(src), "--roundtrip", str(bare)])
+    assert "has no tokenizer.json" in capsys.readouterr().err
+    cfg = models["tied"].cfg
+    assert json.loads((bare / "generation_config.json").read_text()) == {
+        "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id}
+
     write_tokenizer("byte", src, model_max_length=64)
-    (src / "generation_config.json").write_text('{"eos_token_id": 1}\n')
-    convert_hf.main([str(src), "--roundtrip", str(tmp_path / "out")])
-    for name in ("tokenizer.json", "generation_config.json"):
-        assert (tmp_path / "out" / name).read_bytes() == (src / name).read_bytes()
-    with pytest.raises(SystemExit, match="--overwrite"):  # the CLI's own flag is named
-        convert_hf.main([str(src), "--roundtrip", str(tmp_path / "out")])
+    (src / "special_tokens_map.json").write_text('{"eos_token": "<|endoftext|>"}\n')
+    (src / "generation_config.json").write_text('{"eos_token_id": 1, "do_sample": false}\n')
+    out = tmp_path / "out"
+    convert_hf.main([str(src), "--roundtrip", str(out)])
+    assert "has no tokenizer" not in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
+                                                     "special_tokens_map.json", "tokenizer.json",
+                                                     "tokenizer_config.json"]
+    for name in SIDE_FILES:
+        assert (out / name).read_bytes() == (src / name).read_bytes(), name
+    assert list(load_tokenizer(str(out)).encode("hi")) == list(load_tokenizer(str(src)).encode("hi"))
 
 
-def test_export_into_a_training_run_is_refused(models, tmp_path):
-    run = tmp_path / "run"
-    (run / "checkpoints").mkdir(parents=True)
-    with pytest.raises(zaya_jax.checkpoint.errors.ZayaCheckpointError, match="is a training run"):
-        zaya_jax.to_hf(models["tied"], run, overwrite=True)
-    assert sorted(p.name for p in run.iterdir()) == ["checkpoints"]
+def test_cli_names_its_overwrite_flag(models, tmp_path):
+    out = zaya_jax.to_hf(models["tied"], tmp_path / "out")
+    with pytest.raises(zaya_jax.ZayaCheckpointError, match=r"pass overwrite=True to replace them"):
+        zaya_jax.to_hf(models["tied"], out)  # the library names its keyword
+    src = zaya_jax.to_hf(models["tied"], tmp_path / "src")
+    with pytest.raises(SystemExit) as info:
+        convert_hf.main([str(src), "--roundtrip", str(out)])
+    assert str(info.value) == f"convert_hf: {out} already holds weights (model.safetensors); pass --overwrite to " \
+        "replace them"
+    convert_hf.main([str(src), "--roundtrip", str(out), "--overwrite"])
+
+
+def test_export_into_a_training_run_or_its_source_is_refused(models, tmp_path):
+    run = tmp_path / "runs" / "default"
+    (run / "checkpoints" / "10").mkdir(parents=True)
+    (run / "run.json").write_text("{}\n")
+    before = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    for target in (run, run / "checkpoints"):
+        for argv in ([str(run), "--export", str(target)], [str(run), "--export", str(target), "--overwrite"]):
+            with pytest.raises(SystemExit, match=f"^convert_hf: {target} holds a training run"):
+                convert_hf.main(argv)
+        with pytest.raises(zaya_jax.ZayaCheckpointError, match="holds a training run"):
+            zaya_jax.to_hf(models["tied"], target, overwrite=True)
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before  # nothing written
+
+    src = zaya_jax.to_hf(models["tied"], tmp_path / "src")
+    files = {p.name: p.read_bytes() for p in src.iterdir()}
+    for same in (src, tmp_path / "link"):
+        (tmp_path / "link").unlink(missing_ok=True)
+        (tmp_path / "link").symlink_to(src)
+        with pytest.raises(SystemExit, match="is the checkpoint being exported"):
+            convert_hf.main([str(src), "--roundtrip", str(same), "--overwrite"])
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == files

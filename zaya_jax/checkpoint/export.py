@@ -71,23 +71,47 @@ def write_tokenizer(spec: str, out: Path, *, model_max_length: int) -> HFTokeniz
     return load_tokenizer(str(out))
 
 
+# what a HF directory holds beside config.json and the weights: the tokenizer and generation settings
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+def write_generation_config(out: Path, cfg, tok: HFTokenizer | None = None) -> Path:
+    """generation_config.json: the tokenizer's bos / eos / pad ids, else the model config's."""
+    def pick(name):
+        own = getattr(tok, f"{name}_id", None) if tok is not None else None
+        return own if own is not None else getattr(cfg, f"{name}_token_id")
+
+    path = out / "generation_config.json"
+    path.write_text(json.dumps({f"{name}_token_id": pick(name) for name in ("bos", "eos", "pad")}, indent=1) + "\n")
+    return path
+
+
+def copy_side_files(source, out: Path, cfg) -> list[str]:
+    """The tokenizer and generation files of HF directory `source` copied into `out`, as export_run writes them
+    for a run; generation_config.json from `cfg` where `source` has none. Returns the names copied."""
+    copied = [name for name in SIDE_FILES if os.path.isfile(os.path.join(source, name))]
+    for name in copied:
+        shutil.copyfile(os.path.join(source, name), out / name)
+    if "generation_config.json" not in copied:
+        write_generation_config(out, cfg)
+    return copied
+
+
 def export_run(run, out, *, step: int | None = None, tokenizer: str | None = None, dtype=None,
                max_shard_bytes: int | None = None, overwrite: bool = False) -> Path:
-    """Writes run `run` (its latest checkpoint, or `step`) as a Hugging Face directory `out`."""
+    """Writes run `run` (its latest checkpoint, or `step`) as a Hugging Face directory `out`. Refuses, before
+    loading anything, an `out` that is the run itself, a training run, or holds weights without `overwrite`."""
     import jax.numpy as jnp
 
-    from zaya_jax.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, to_hf
+    from zaya_jax.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, check_export_target, to_hf
     from zaya_jax.inference.loading import load_model
     from zaya_jax.train.run_record import default_tokenizer
 
+    check_export_target(out, source=run, overwrite=overwrite)
     spec = tokenizer or default_tokenizer(run)
     model = load_model(run, step=step)
     out = to_hf(model, out, dtype=dtype and jnp.dtype(dtype),
                 max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES, overwrite=overwrite)
     tok = write_tokenizer(spec, out, model_max_length=model.cfg.max_position_embeddings)
-    cfg = model.cfg
-    generation = {"bos_token_id": tok.bos_id if tok.bos_id is not None else cfg.bos_token_id,
-                  "eos_token_id": tok.eos_id if tok.eos_id is not None else cfg.eos_token_id,
-                  "pad_token_id": tok.pad_id if tok.pad_id is not None else cfg.pad_token_id}
-    (out / "generation_config.json").write_text(json.dumps(generation, indent=1) + "\n")
+    write_generation_config(out, model.cfg, tok)
     return out

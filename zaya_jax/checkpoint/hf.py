@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 from collections import defaultdict
 from pathlib import Path
 
@@ -162,22 +163,55 @@ def hf_named_arrays(state) -> dict[str, np.ndarray]:
     return {t.key: _to_host(leaves[t.path].get_value(), t) for t in hf_tensors(leaves.items())}
 
 
+class ExistingWeightsError(ZayaCheckpointError):
+    """The export directory already holds weights and the caller did not ask to replace them. `hint(how)` is the
+    message with the caller's way of asking (a command line names its flag)."""
+
+    def __init__(self, directory: Path, files: list[Path]):
+        self.directory, self.files = directory, files
+        super().__init__(self.hint("overwrite=True"))
+
+    def hint(self, how: str) -> str:
+        return (f"{self.directory} already holds weights ({', '.join(f.name for f in self.files)}); "
+                f"pass {how} to replace them")
+
+
+_RUN_RECORD = "run.json"  # zaya_jax.train.run_record.RECORD (not imported: the checkpoint package stays light)
+
+
+def _is_training_run(directory: Path) -> bool:
+    """A run's workdir (run.json, checkpoints/) or the checkpoints/ folder of one."""
+    return ((directory / _RUN_RECORD).exists() or (directory / "checkpoints").is_dir()
+            or (directory.name == "checkpoints" and (directory.parent / _RUN_RECORD).exists()))
+
+
+def check_export_target(path, *, source=None, overwrite: bool = False) -> Path:
+    """Refuses an export directory that would lose or corrupt data: a training run (its config.json would make the
+    run read as a HF directory), the directory `source` the model is read from, a file, or one holding weights
+    without `overwrite`. Callers run it before loading the model, to fail at once; to_hf runs it again."""
+    directory = Path(path)
+    if _is_training_run(directory):
+        raise ZayaCheckpointError(f"{directory} holds a training run (run.json, checkpoints/): export to another "
+                                  "directory")
+    if source is not None and directory.exists() and Path(source).exists() and os.path.samefile(directory, source):
+        raise ZayaCheckpointError(f"{directory} is the checkpoint being exported: export to another directory")
+    if directory.exists() and not directory.is_dir():
+        raise ZayaCheckpointError(f"{directory} is a file, not a directory: export to a directory")
+    old = existing_weight_files(directory) if directory.is_dir() else []
+    if old and not overwrite:
+        raise ExistingWeightsError(directory, old)
+    return directory
+
+
 def to_hf(model: ZayaForCausalLM, path, *, dtype=None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
           overwrite: bool = False) -> Path:
     """Writes `model` as a HF directory (config.json + safetensors, sharded with an index above `max_shard_bytes`).
     `dtype` casts the parameters (default: as stored); balancing biases stay fp32 like the HF buffer. A tied
-    lm_head is not written. Refuses to mix with existing weight files unless `overwrite`."""
-    directory = Path(path)
-    if (directory / "run.json").exists() or (directory / "checkpoints").is_dir():
-        raise ZayaCheckpointError(f"{directory} is a training run (run.json, checkpoints/): export to another "
-                                  "directory")
+    lm_head is not written. Refuses to mix with existing weight files unless `overwrite`, and refuses a training
+    run's directory (check_export_target). Replaced weights are removed only once the new ones are written."""
+    directory = check_export_target(path, overwrite=overwrite)
     directory.mkdir(parents=True, exist_ok=True)
     old = existing_weight_files(directory)
-    if old and not overwrite:
-        raise ZayaCheckpointError(f"{directory} already holds weights ({', '.join(f.name for f in old)}); "
-                                  f"overwrite them explicitly (overwrite=True; launch.convert_hf --overwrite)")
-    for f in old:
-        f.unlink()
 
     leaves = {tuple(str(p) for p in path): var for path, var in nnx.to_flat_state(nnx.state(model))}
     tensors = hf_tensors(leaves.items())
@@ -194,7 +228,9 @@ def to_hf(model: ZayaForCausalLM, path, *, dtype=None, max_shard_bytes: int = DE
         return _to_host(leaves[t.path].get_value(), t).astype(out_dtype(t), copy=False)
 
     entries = [(t.key, t.shape, out_dtype(t)) for t in tensors]
-    write_sharded(directory, entries, produce, max_shard_bytes)
+    written = write_sharded(directory, entries, produce, max_shard_bytes)
+    for f in set(old) - set(written):  # the old layout's other shards / index, which would shadow the new file
+        f.unlink(missing_ok=True)
 
     config = model.cfg.to_hf_dict()
     config["dtype"] = jnp.dtype(dtype).name if dtype is not None else model.cfg.param_dtype

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -78,13 +79,31 @@ def existing_weight_files(directory: Path) -> list[Path]:
     return sorted(directory.glob("model*.safetensors")) + sorted(directory.glob(INDEX_FILE))
 
 
-def _default_file_mode() -> int:
-    umask = os.umask(0)
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux reports it (os.umask can only read it by setting
+    it, for a moment, under every other thread's feet)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    umask = os.umask(0o022)
     os.umask(umask)
-    return 0o666 & ~umask
+    return umask
 
 
-_FILE_MODE = _default_file_mode()
+def file_mode() -> int:
+    """The mode a plain new file gets (open() / write_text): 0o666 less the umask, usually 0644."""
+    return 0o666 & ~_umask()
+
+
+def _temporary(directory: Path, name: str) -> Path:
+    """A fresh hidden file beside `name` that no weight-file glob (model*.safetensors) matches."""
+    fd, temp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
+    os.close(fd)
+    return Path(temp)
 
 
 def write_sharded(directory: Path, entries: Sequence[tuple[str, tuple[int, ...], np.dtype]],
@@ -103,20 +122,36 @@ def write_sharded(directory: Path, entries: Sequence[tuple[str, tuple[int, ...],
     n = len(shards)
     names = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     weight_map = {}
-    for name, members in zip(names, shards):
-        tensors = {}
-        for i in members:
-            key, shape, dt = entries[i]
-            array = np.ascontiguousarray(produce(key))
-            if array.shape != tuple(shape) or array.dtype != np.dtype(dt):
-                raise ZayaCheckpointError(f"{key}: produced {array.dtype}{list(array.shape)}, "
-                                          f"expected {np.dtype(dt)}{list(shape)}")
-            tensors[key] = array
-            weight_map[key] = name
-        save_file(tensors, str(directory / name), metadata={"format": "pt"})  # transformers requires 'format'
-        os.chmod(directory / name, _FILE_MODE)  # safetensors writes 0600; the user's other files follow the umask
-        del tensors
-    if n > 1:
-        index = {"metadata": {"total_size": int(sum(sizes))}, "weight_map": weight_map}
-        (directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    return [directory / name for name in names] + ([directory / INDEX_FILE] if n > 1 else [])
+    mode = file_mode()
+    written: list[tuple[Path, Path]] = []  # (temporary file, its final name)
+    try:
+        # every shard is written under a temporary name first: a failure (a full disk) leaves the weights that
+        # were there before in place, and no file is ever seen half-written or with safetensors' mode 0600
+        for name, members in zip(names, shards):
+            tensors = {}
+            for i in members:
+                key, shape, dt = entries[i]
+                array = np.ascontiguousarray(produce(key))
+                if array.shape != tuple(shape) or array.dtype != np.dtype(dt):
+                    raise ZayaCheckpointError(f"{key}: produced {array.dtype}{list(array.shape)}, "
+                                              f"expected {np.dtype(dt)}{list(shape)}")
+                tensors[key] = array
+                weight_map[key] = name
+            temp = _temporary(directory, name)
+            written.append((temp, directory / name))
+            save_file(tensors, str(temp), metadata={"format": "pt"})  # transformers requires 'format'
+            del tensors
+            os.chmod(temp, mode)  # safetensors creates 0600; the user's other files follow the umask
+        if n > 1:
+            index = {"metadata": {"total_size": int(sum(sizes))}, "weight_map": weight_map}
+            temp = _temporary(directory, INDEX_FILE)
+            written.append((temp, directory / INDEX_FILE))
+            temp.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+            os.chmod(temp, mode)
+    except BaseException:
+        for temp, _ in written:
+            temp.unlink(missing_ok=True)
+        raise
+    for temp, final in written:  # the index last: it names shards that are all in place
+        os.replace(temp, final)
+    return [final for _, final in written]

@@ -103,9 +103,20 @@ def _jsonl_documents(path: str, text_key: str) -> Iterator[str]:
             if not isinstance(record, dict) or text_key not in record:
                 raise DataError(f"{path}:{line_number}: no {text_key!r} field")
             text = record[text_key]
-            if not isinstance(text, str):  # str() would turn null into the document "None"
-                raise DataError(f"{path}:{line_number}: the {text_key!r} field is {type(text).__name__}, not text")
+            if not isinstance(text, str):  # str() would turn null into the document "None", 5 into "5"
+                raise DataError(f"{path}:{line_number}: the {text_key!r} field is {_json_type(text)}, not a string")
             yield text
+
+
+def _json_type(value) -> str:
+    """The JSON name of a decoded value's type, as the user wrote it in the file."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return {list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
 
 
 def _parquet_documents(path: str, text_key: str) -> Iterator[str]:
