@@ -11,8 +11,11 @@ every expert costs (benchmarks/routing_ab.py):
                row tiles of the grouped GEMM: no padding)
   random       each token to an expert drawn from the low bits of its router probabilities (new draws in every
                forward and layer): groups that differ by sampling noise, padded to row tiles as the controller's are
+
+BLOCK_ROWS sets the grouped GEMM's row tile (the unit every expert's token group is padded to) for the whole run.
 """
 
+import contextlib
 import os
 import runpy
 import sys
@@ -49,4 +52,9 @@ if routing is not None:
     router.Router.__call__ = replaced
     print(f"routing: {routing} (the router's choice replaced)", flush=True)
 sys.argv[0] = "launch.train"
-runpy.run_module("launch.train", run_name="__main__")
+with contextlib.ExitStack() as stack:
+    if "BLOCK_ROWS" in os.environ:
+        from pallas_kernels.grouped_matmul import tiling_override
+        stack.enter_context(tiling_override(block_rows=int(os.environ["BLOCK_ROWS"])))
+        print(f"grouped GEMM row tile: {os.environ['BLOCK_ROWS']}", flush=True)
+    runpy.run_module("launch.train", run_name="__main__")
