@@ -29,6 +29,9 @@ def main(argv, open_flags=None):
     from zaya_jax.train.loop import run
     config = command_line_config(flags.FLAGS["config"], open_flags or OpenFlags(), flags.FLAGS.workdir)
     last = run(config, flags.FLAGS.workdir)
+    if not last:  # e.g. a resume whose remaining steps were all skipped: no step of this process logged anything
+        print(f"final: no step logged by this run (see {os.path.join(flags.FLAGS.workdir, 'metrics.jsonl')})")
+        return
     print("final: " + " ".join(f"{k}={v:.4g}" for k, v in sorted(last.items()) if "/layer_" not in k))
 
 
