@@ -30,10 +30,12 @@ def read_json(path: str, default=None):
         return default
 
 
-def beat(workdir: str, step: int, *, finishing: bool = False) -> None:
-    """finishing: the steps are over and the process is writing its last checkpoint (no step rate applies)."""
+def beat(workdir: str, step: int, *, finishing: bool = False, warm: bool = True) -> None:
+    """finishing: the steps are over and the process is writing its last checkpoint (no step rate applies).
+    warm=False: no step has run in this process yet (a skipped step's beat), so its first one, compilation
+    included, is still ahead: the supervisor keeps the start-up allowance."""
     write_json_atomic(os.path.join(workdir, HEARTBEAT), {"step": int(step), "time": time.time(), "pid": os.getpid(),
-                                                         "finishing": finishing})
+                                                         "finishing": finishing, "warm": warm})
 
 
 def read_control(workdir: str) -> dict:

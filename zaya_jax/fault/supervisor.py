@@ -260,7 +260,8 @@ class Supervisor:
             if hb.get("step") is not None and hb.get("step") != seen_step:
                 seen_step = hb["step"]
                 now = time.time()
-                beats.append((now, seen_step))
+                if hb.get("warm", True):  # a skipped step's beat before the first trained one keeps start-up time
+                    beats.append((now, seen_step))
                 last_seen = now
             code = group.poll()
             if code is not None:
