@@ -177,7 +177,7 @@ def _run(config: ConfigDict, workdir: str, *, log, closers: list) -> dict:
     # a run already past train.steps does nothing, so its record keeps what it was trained with
     run_record.ensure(config, workdir, resuming=latest is not None,
                       write=lead and (latest is None or latest < plan.steps), log=log)
-    if ckpt.latest_step() is not None:
+    if latest is not None:
         restored = ckpt.restore(abstract_like(state), expect_meta=meta, log=log, set_aside=True)
         state, data_state, start = restored.state, restored.data, restored.step
         log(f"resumed from {ckpt.directory} step {start}")
@@ -215,7 +215,6 @@ def _run(config: ConfigDict, workdir: str, *, log, closers: list) -> dict:
     progress = _progress(start, plan.steps, lead)
     closers.append(getattr(progress, "close", lambda: None))  # a bar left open redraws after the error
     sums, step_count = {}, 0
-    warm = False  # a train step has run (compiled) in this process
     faults = FaultInjector(t.fault, workdir)
     stop = GracefulStop()
     skip_windows = read_control(workdir)["skip_steps"]
@@ -233,7 +232,6 @@ def _run(config: ConfigDict, workdir: str, *, log, closers: list) -> dict:
             for name, v in m.items():
                 sums[name] = sums.get(name, 0.0) + v
             step_count += 1
-            warm = True
             meter.add(k * tokens_per_micro)
             if faults.poisoned("nan", done):  # what a poisoned batch does: non-finite weights and loss
                 state = {**state, "params": jax.tree.map(lambda p: p * jnp.nan, state["params"])}
@@ -260,7 +258,7 @@ def _run(config: ConfigDict, workdir: str, *, log, closers: list) -> dict:
                     ckpt.wait()  # an earlier, good checkpoint may still be writing: finish it, it is the rewind point
                     os._exit(EXIT_NONFINITE)  # no checkpoint of a broken state; the supervisor rewinds
         if lead:
-            beat(workdir, done, warm=warm)
+            beat(workdir, done, warm=meter.started)  # started: a step has run (compiled) here
         faults.after_step(done)
         if stop.requested:
             log(f"step {done}: stop requested; finishing checkpoint writes (exit {EXIT_STOPPED})")
