@@ -253,6 +253,8 @@ def test_hf_driver_command_and_a_failed_process(tmp_path):
     assert hf.results() == {"log_tail": ""}
 
 
+# five compiled variants: slow; test_rejected_override_and_state_rebuilt_after_failure runs the runner's own path
+@pytest.mark.slow
 def test_run_end_to_end_on_cpu(tmp_path):
     args = args_for(tmp_path, "--variants", "main,opt_zaya,accum2,largest_batch", "--accum", "2",
                     "--batch-ladder", "3")
