@@ -50,7 +50,8 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
         CheckpointManager(str(tmp_path / "empty")).restore({})
 
 
-def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path):
+@pytest.mark.parametrize("keep", [0.0, 0.5], ids=["emptied", "halved"])
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, keep):
     import os
     mngr = CheckpointManager(str(tmp_path), save_interval_steps=1, max_to_keep=3)
     state = _state(_mesh(2))
@@ -59,12 +60,25 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path):
     mngr.close()
     for root, _, files in os.walk(tmp_path / "2" / "state"):  # truncate every data file of step 2
         for f in files:
-            open(os.path.join(root, f), "wb").close()
+            if keep and os.path.basename(root) != "d":  # halved: the array chunks only
+                continue
+            path = os.path.join(root, f)
+            with open(path, "rb") as src:
+                head = src.read(int(keep * os.path.getsize(path)))
+            with open(path, "wb") as dst:
+                dst.write(head)
     said = []
     r = CheckpointManager(str(tmp_path)).restore(abstract_like(state), log=said.append)
     assert r.step == 1 and r.data == {"step": 1}
     np.testing.assert_array_equal(r.state["params"]["w"], state["params"]["w"])
     assert "step 2 cannot be read" in said[0] and "falling back to step 1" in said[0]
+
+
+def test_an_unreadable_array_is_reported_without_tensorstore_s_method_repr():
+    from zaya_jax.checkpoint.manager import _reason
+    e = Exception("Encountered error while reading array index: (slice(0, 4, 1),). See full TensorStore details: "
+                  "<bound method pybind11_detail_function_record_v1_system_libstdcpp_gxx_abi_1xxx.error_details>")
+    assert _reason(e) == "Encountered error while reading array index: (slice(0, 4, 1),)."
 
 
 def test_an_unreadable_latest_step_is_set_aside_and_blocks_no_save_nor_retention(tmp_path):

@@ -109,10 +109,10 @@ class CheckpointManager:
                 raise
             except Exception as e:  # unreadable files: a corrupt or truncated checkpoint
                 if i + 1 == len(candidates):
-                    raise CheckpointError(f"checkpoint {self.directory} step {s} cannot be read: {e}") from e
+                    raise CheckpointError(f"checkpoint {self.directory} step {s} cannot be read: {_reason(e)}") from e
                 moved = f"; moved to {self._set_aside(s)}" if set_aside else ""
-                log(f"checkpoint {self.directory} step {s} cannot be read ({type(e).__name__}: "
-                    f"{str(e)[:200]}){moved}; falling back to step {candidates[i + 1]}")
+                log(f"checkpoint {self.directory} step {s} cannot be read ({type(e).__name__}: {_reason(e)})"
+                    f"{moved}; falling back to step {candidates[i + 1]}")
 
     def _set_aside(self, step: int) -> str:
         """Moves an unreadable step to DIR/unreadable/STEP (kept for inspection, no longer a step of DIR)."""
@@ -174,6 +174,12 @@ def abstract_like(tree, shardings=None):
     if shardings is None:
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def _reason(e: Exception) -> str:
+    """The first 200 characters of an unreadable checkpoint's error, short of TensorStore's pointer to its details
+    (a bound-method repr, not the details)."""
+    return str(e).split(" See full TensorStore details")[0].strip()[:200]
 
 
 def _jsonable(x):
