@@ -5,6 +5,8 @@ keeping every layer's experts balanced from step 20 on (it collapsed to one expe
 
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +19,6 @@ from zaya_jax.config import preset
 from zaya_jax.model import routing_stats
 from zaya_jax.optim.balancing import (BalancerConfig, init_balancer, initial_biases, psum_stats, routing_health,
                                       update_biases)
-from zaya_jax.train.loop import run
 
 
 def fresh_rng():
@@ -208,11 +209,24 @@ def test_state_checkpoints_with_orbax(tmp_path):
 
 
 def tiny_run_rows(workdir, learning_rate):
-    c = get_config()  # the default run: tiny preset, built-in corpus, 16 x 128 tokens per step
-    c.train.update(dict(steps=30, log_every=1, eval_every=0, checkpoint_every=1000))
-    c.balancing.learning_rate = learning_rate
-    c.mesh.num_devices = 1  # as ./run.sh runs it on a fresh machine (one CPU device)
-    run(c, workdir, log=lambda *_: None)
+    """The default run (tiny preset, built-in corpus, 16 x 128 tokens per step) for 30 steps as ./run.sh runs it on
+    a fresh machine: launch.train, one CPU device, XLA's default optimisation. Its 30 steps take longer to run than
+    to compile: optimised code runs them about twice as fast as the tests' (--xla_backend_optimization_level=0)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(PYTHONPATH=root, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir,
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    flags = dict(steps=30, log_every=1, eval_every=0, checkpoint_every=1000)
+    proc = subprocess.run([sys.executable, "-m", "launch.train", "--workdir", workdir,
+                           *[f"--config.train.{k}={v}" for k, v in flags.items()],
+                           f"--config.balancing.learning_rate={learning_rate}", "--config.mesh.num_devices=1"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(os.path.join(workdir, "run.json")) as f:  # the default config but for the flags above
+        config = json.load(f)["config"]
+    want = get_config()
+    assert config["model"] == want.model.to_dict() and config["data"] == want.data.to_dict(), config
+    assert config["train"]["global_batch_tokens"] == want.train.global_batch_tokens == 16 * 128
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         return [r for r in map(json.loads, f) if "loss" in r]
 
