@@ -57,7 +57,13 @@ def test_a_step_that_does_not_fit_in_memory_is_named(tmp_path, monkeypatch):
         loop.run(get_config(), str(tmp_path), log=lambda *_: None)
 
 
-def test_argparse_commands_report_mistakes_in_one_line(tmp_path, capsys):
+def test_argparse_commands_report_mistakes_in_one_line(tmp_path, capsys, monkeypatch):
+    # lm_eval indexes its built-in tasks from the folder of lm_eval/tasks/manager.py: here the toy task's folder,
+    # so the unknown-task check below looks a name up in a full (include_defaults) index without parsing lm_eval's
+    # thousands of task files (about a minute on 2 cores)
+    from lm_eval.tasks import manager
+    monkeypatch.setattr(manager, "__file__", os.path.join(ROOT, "tests", "data", "lm_eval_toy", "manager.py"))
+    assert manager.TaskManager().all_tasks == ["zaya_toy_mc"]  # control: the defaults are the toy folder's
     one_line_exit(capsys, generate.main, ["--checkpoint", str(tmp_path), "--prompt", "a", "--temperature", "nan"],
                   "launch.generate", "temperature")
     one_line_exit(capsys, size_model.main, ["--hardware", "h300"], "benchmarks.size_model", "h300")
