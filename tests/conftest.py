@@ -16,7 +16,9 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 # Tests compile the same small programs many times (every trainer run builds fresh closures): cache them.
-jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.dirname(__file__), "..", ".jax_cache"))
+# ZAYA_TEST_CACHE_DIR: another (e.g. empty) cache directory, to measure a cold run without deleting this one.
+jax.config.update("jax_compilation_cache_dir", os.environ.get("ZAYA_TEST_CACHE_DIR")
+                  or os.path.join(os.path.dirname(__file__), "..", ".jax_cache"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
