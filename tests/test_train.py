@@ -5,6 +5,7 @@ Resuming on fewer devices: tests/test_parallel_train.py (8 -> 4, 1 x 2 context, 
 
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -44,39 +45,44 @@ def losses(workdir):
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-    """The uninterrupted 6-step run (checkpoints at steps 3 and 6) and its losses, which the other runs here
-    compare to or start from."""
+    """The uninterrupted 6-step run (a checkpoint after every step, all kept) and its losses, which the other runs
+    here compare to or start from."""
     workdir = str(tmp_path_factory.mktemp("straight"))
-    run(small_config(), workdir, log=lambda *_: None)
+    run(small_config(checkpoint_every=1, keep_checkpoints=STEPS), workdir, log=lambda *_: None)
     return workdir, losses(workdir)
 
 
+STEPS = 6  # small_config's
+
+
 def test_resume_is_exact(straight, tmp_path):
-    _, full = straight
+    workdir, full = straight
+    # the run as if stopped after step 3 (the state a run of steps=3 saves: the same program and data; changing
+    # train.steps on a resume: tests/test_run_lifecycle.py and the unreadable-step test below)
     stopped = str(tmp_path / "stopped")
-    run(small_config(steps=3), stopped, log=lambda *_: None)
+    shutil.copytree(workdir, stopped)
+    for s in range(4, STEPS + 1):
+        shutil.rmtree(os.path.join(stopped, "checkpoints", str(s)))
+    os.remove(os.path.join(stopped, "metrics.jsonl"))
     run(small_config(), stopped, log=lambda *_: None)  # resumes after the step-3 checkpoint
     resumed = losses(stopped)
-    assert sorted(resumed) == list(range(1, 7))
-    for s in range(1, 7):
+    assert sorted(resumed) == [4, 5, 6]
+    for s in range(4, 7):
         assert resumed[s] == full[s], (s, resumed[s], full[s])  # bitwise on the CPU
 
 
-def test_gradient_accumulation_equals_a_larger_batch(tmp_path):
-    def final_params(**train):
-        c = small_config(steps=1, checkpoint_every=1, **train)
-        if "microbatch_tokens" in train:  # biases must not move between microbatches for an exact comparison
-            c.balancing.learning_rate = 0.0  # (one microbatch: they move after its gradient, the run's program)
-        wd = str(tmp_path / f"acc{train.get('microbatch_tokens', 0)}")
-        run(c, wd, log=lambda *_: None)
-        from zaya_jax.checkpoint.manager import CheckpointManager
-        import orbax.checkpoint as ocp
-        mngr = ocp.CheckpointManager(os.path.join(wd, "checkpoints"))
-        state = mngr.restore(1, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
-        return state["params"]
+def test_gradient_accumulation_equals_a_larger_batch(straight, tmp_path):
+    import orbax.checkpoint as ocp
 
-    one = final_params()
-    accumulated = final_params(microbatch_tokens=4 * 32)
+    def params_at_step_1(wd):
+        mngr = ocp.CheckpointManager(os.path.join(wd, "checkpoints"))
+        return mngr.restore(1, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]["params"]
+
+    one = params_at_step_1(straight[0])  # one microbatch of 8 x 32 tokens per step
+    wd = str(tmp_path / "accumulated")
+    # two microbatches of 4 x 32; the biases do not move between microbatches (balancing off in small_config)
+    run(small_config(steps=1, checkpoint_every=1, microbatch_tokens=4 * 32), wd, log=lambda *_: None)
+    accumulated = params_at_step_1(wd)
     for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(accumulated)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
 
@@ -172,9 +178,10 @@ def test_resume_past_an_unreadable_step_keeps_good_state_and_logs_every_step_onc
 
     from zaya_jax.train import loop
     wd = str(tmp_path / "run")
-    def cfg(steps):
+    def cfg(steps, total_steps=6):
+        # total_steps 6 (small_config's): the straight run's program, which the compilation cache holds
         c = small_config(steps=steps, checkpoint_every=2, keep_checkpoints=2)
-        c.optim.total_steps = 0  # the schedule follows train.steps across the restarts
+        c.optim.total_steps = total_steps
         return c
 
     run(cfg(4), wd, log=lambda *_: None)  # checkpoints 2 and 4, rows 1-4
@@ -201,10 +208,14 @@ def test_resume_past_an_unreadable_step_keeps_good_state_and_logs_every_step_onc
     assert all(0 <= r["checkpoint_blocking_s"] < 60 for r in rows if "checkpoint_blocking_s" in r)
     assert tensorboard_purge_steps(wd) == [[1], [3]]  # the second attempt hides what the first logged past 2
 
-    def fail(workdir, step, **_):
+    def tensorboard_threads():
+        return [t for t in threading.enumerate() if type(t).__name__ == "_EventLoggerThread"]
+
+    def fail(workdir):  # the loop's last call before its first step: metrics (TensorBoard's thread) have started
+        assert tensorboard_threads(), "control: the writer's thread runs when the failure comes"
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(loop, "beat", fail)
-    with pytest.raises(RuntimeError, match="disk full"):
-        run(cfg(8), wd, log=lambda *_: None)
-    assert not [t for t in threading.enumerate() if type(t).__name__ == "_EventLoggerThread"]
+    monkeypatch.setattr(loop, "read_control", fail)
+    with pytest.raises(RuntimeError, match="disk full"):  # total_steps 0: the schedule follows train.steps = 8
+        run(cfg(8, total_steps=0), wd, log=lambda *_: None)
+    assert not tensorboard_threads()
