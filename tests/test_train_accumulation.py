@@ -11,6 +11,7 @@ and, through the trainer, a batch ramp (k = 1, 2, 2) trains and resumes mid-ramp
 import math
 import os
 import re
+import shutil
 
 import jax
 import numpy as np
@@ -111,18 +112,23 @@ def reference_step(fns, state, batches, *, refresh_biases=True, balancer=BALANCE
     batches = jax.device_get(batches)
     model_state, balancer_state, grads, losses = state["model_state"], state["balancer"], [], []
     k = len(batches["inputs"])
+    # the controller jitted and the sums on the host: eager jnp ops would compile a program per leaf shape and op
+    controller = jax.jit(lambda biases, balancer_state, counts: update_biases(biases, balancer_state, counts,
+                                                                              balancer))
     for i in range(k):
         routed_with = model_state if refresh_biases else state["model_state"]
         (loss, counts), g = grad(state["params"], routed_with, {name: x[i] for name, x in batches.items()})
-        biases, balancer_state, _ = update_biases(get_biases(model_state), balancer_state, counts, balancer)
+        biases, balancer_state, _ = controller(get_biases(model_state), balancer_state, counts)
         model_state = with_biases(model_state, biases)
-        grads.append(g)
-        losses.append(loss)
-    mean = jax.tree.map(lambda *g: sum(g) / k, *grads)
+        grads.append(jax.device_get(g))
+        losses.append(float(loss))
+    mean = jax.tree.map(lambda *g: sum(g) / np.float32(k), *grads)
     updates, opt_state = update(mean, state["opt_state"], state["params"])
-    new = {"step": state["step"] + 1, "params": optax.apply_updates(state["params"], updates),
-           "opt_state": opt_state, "model_state": model_state, "balancer": balancer_state}
-    return new, {"loss": sum(losses) / k, "grad_norm": optax.tree.norm(mean)}
+    params = jax.tree.map(lambda p, u: (p + np.asarray(u)).astype(p.dtype), state["params"], updates)
+    grad_norm = np.sqrt(sum(np.sum(np.square(g, dtype=np.float64)) for g in jax.tree.leaves(mean)))
+    new = {"step": state["step"] + 1, "params": params, "opt_state": jax.device_get(opt_state),
+           "model_state": jax.device_get(model_state), "balancer": jax.device_get(balancer_state)}
+    return new, {"loss": sum(losses) / k, "grad_norm": grad_norm}
 
 
 # (devices, microbatches, their gradients per accumulation pass, unrolled layers with the per-layer view, controller).
@@ -237,15 +243,20 @@ def test_a_batch_ramp_trains_and_resumes_at_the_right_microbatch(tmp_path):
     assert [plan.accumulation_at(s) for s in range(3)] == [1, 2, 2]
 
     straight = str(tmp_path / "straight")
-    run(ramp_config(steps=3), straight, log=lambda *_: None)
+    run(ramp_config(steps=3, checkpoint_every=1, keep_checkpoints=3), straight, log=lambda *_: None)
     full = losses(straight)
     assert all(math.isfinite(x) for x in full.values()) and full[3] < full[1]
     data = ocp.CheckpointManager(os.path.join(straight, "checkpoints")).restore(
         3, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
     assert data["step"] == 1 + 2 + 2  # the iterator counts microbatches
 
+    # the run as if it had stopped after step 1 (k=1), which a run of steps=1 saves the same (one run fewer)
     split = str(tmp_path / "split")
-    run(ramp_config(steps=1, checkpoint_every=1), split, log=lambda *_: None)
+    shutil.copytree(straight, split)
+    for step in ("2", "3"):
+        shutil.rmtree(os.path.join(split, "checkpoints", step))
+    os.remove(os.path.join(split, "metrics.jsonl"))
     run(ramp_config(steps=3), split, log=lambda *_: None)  # resumes after step 1 (k=1) into k=2
     resumed = losses(split)
+    assert sorted(resumed) == [2, 3]
     assert [resumed[s] for s in (2, 3)] == [full[s] for s in (2, 3)]  # bitwise on the CPU
