@@ -9,9 +9,11 @@ kernels (the `kernels=` option of Scorer, Decoder, ZayaLM and the launch scripts
   None     the model's own config, unchanged.
   'xla'    the ModelConfig defaults: XLA attention ([B, H, T, S] scores), lax.ragged_dot experts, XLA norms/convs.
   'gpu'    the Pallas (Triton) kernels training runs on GPU (attention, grouped-GEMM experts, norms, CCA convs) for
-           scoring and prefill, whose token counts are the training step's. Decode keeps XLA's attention, norms and
-           convs: its few tokens per step are memory-bound, and the flash kernel would pad one query per row to a
-           16-row tile. On the CPU the Pallas kernels run in interpret mode (tests).
+           scoring and prefill, whose token counts are the training step's. Decode keeps XLA's attention (the flash
+           kernel would pad one query per row to a 16-row tile) but takes the norm and CCA convolution kernels: a
+           single-token step is a chain of small kernels, and each of those is one launch where XLA emits two to
+           four (a reduction, then the normalisation; the halo concatenation, the grouped GEMM, the residual add).
+           On the CPU the Pallas kernels run in interpret mode (tests).
   'auto'   'gpu' on a GPU backend, 'xla' elsewhere (Pallas has no CPU or TPU lowering here).
 Decode's experts are moe_impl 'decode' under every choice but None (model/experts.py: each token's own expert
 weights, or every expert read once, instead of a grouped GEMM whose XLA lowering copies and transposes the layer's
@@ -39,9 +41,10 @@ def inference_kernels(platform: str, program: str = "scoring") -> dict:
     the Pallas kernels, anything else the XLA defaults)."""
     if program not in PROGRAMS:
         raise ValueError(f"unknown inference program {program!r}; known: {PROGRAMS}")
+    gpu = platform in ("gpu", "cuda", "rocm")
     if program == "decode":
-        return dict(XLA, moe_impl="decode")
-    return dict(GPU) if platform in ("gpu", "cuda", "rocm") else dict(XLA)
+        return dict(XLA, moe_impl="decode", **(dict(norm_impl="pallas", conv_impl="pallas") if gpu else {}))
+    return dict(GPU) if gpu else dict(XLA)
 
 
 def kernel_overrides(kernels: str | None, program: str) -> dict:

@@ -122,21 +122,20 @@ class QKNorm(nnx.Module):
         self.temp = nnx.Param(jnp.zeros((cfg.num_key_value_heads,), dtypes(cfg)[1]))
 
     def __call__(self, q, k):
-        """L2-normalise every head to norm sqrt(d) (norm clamped at the dtype's eps, as HF), keys times temp."""
+        """L2-normalise every head to norm sqrt(d) (norm clamped at the dtype's eps, as HF), keys times temp.
+        Query and key heads are normalised as one [B, T, H + KV, d] array: one reduction instead of two (q and k
+        are slices of one projection, so XLA forms the concatenation from it without a copy)."""
         dt = q.dtype
+        H = q.shape[2]
         eps = float(jnp.finfo(dt).eps)
         scale = self.cfg.head_dim ** 0.5
-
-        def l2(x):
-            xf = x.astype(jnp.float32)
-            # max(sqrt(ss), eps) written as sqrt(max(ss, eps^2)): same value, but a zero vector (a padded
-            # token) gets a zero gradient instead of sqrt's NaN at 0
-            n = jnp.sqrt(jnp.maximum(jnp.sum(xf * xf, axis=-1, keepdims=True), eps * eps))
-            return xf * (scale / n)
-
-        qn = l2(q)
-        kn = l2(k) * self.temp[...].astype(jnp.float32)[None, None, :, None]
-        return qn.astype(dt), kn.astype(dt)
+        xf = jnp.concatenate([q, k], axis=2).astype(jnp.float32)
+        # max(sqrt(ss), eps) written as sqrt(max(ss, eps^2)): same value, but a zero vector (a padded token) gets a
+        # zero gradient instead of sqrt's NaN at 0
+        n = jnp.sqrt(jnp.maximum(jnp.sum(xf * xf, axis=-1, keepdims=True), eps * eps))
+        qk = xf * (scale / n)
+        kn = qk[:, :, H:] * self.temp[...].astype(jnp.float32)[None, None, :, None]
+        return qk[:, :, :H].astype(dt), kn.astype(dt)
 
 
 def rope_inv_freq(theta: float, rotary_dim: int):

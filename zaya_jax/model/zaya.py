@@ -164,7 +164,9 @@ class ZayaModel(nnx.Module):
         Returns (final normed hidden states [B, T, D], new cca_state, new attend_state), the layer axis held as
         LayerSlices. The layers run unrolled, without remat (this path is never differentiated): parameters and
         state held as LayerSlices (model/compute_view.py per_layer, inference/cache.py) are read and written in
-        place, where a layer scan would copy each layer's slice of the stacked arrays on every call."""
+        place, where a layer scan would copy each layer's slice of the stacked arrays on every call. As in the
+        unrolled forward, each layer's last residual merge is fused with the next norm: in a single-token step
+        every pass over the residual is a kernel launch of its own."""
         cfg = self.cfg
         dt = dtypes(cfg)[0]
         B, T = input_ids.shape
@@ -176,8 +178,12 @@ class ZayaModel(nnx.Module):
         uniform_window = cfg.sliding_window if set(cfg.layer_types) == {"hybrid_sliding"} else None
         graphdef, layer_params = nnx.split(self.layers)
         xs = (layer_params, state_scale, inv_freq, windows, cca_state, attend_state)
+        per_layer = unstack_layers(xs, cfg.num_hidden_layers)
+        layers = [nnx.merge(graphdef, layer_xs[0]) for layer_xs in per_layer]
+        next_norms = [layer.input_layernorm.weight[...] for layer in layers[1:]] + [self.norm.weight[...]]
+        x = norm_ops.rms_norm(h, layers[0].input_layernorm.weight[...], cfg.rms_norm_eps, dt, impl=cfg.norm_impl)
         produced = []
-        for params, scale, freq, window, cca_l, attend_l in unstack_layers(xs, cfg.num_hidden_layers):
+        for layer, (_, scale, freq, window, cca_l, attend_l), next_norm in zip(layers, per_layer, next_norms):
             window_arg = window if windows is not None and uniform_window is None else uniform_window
             new_attend = {}
 
@@ -185,13 +191,14 @@ class ZayaModel(nnx.Module):
                 o, new_attend["state"] = attend(attend_l, q, k, v, window_arg)
                 return o
 
-            h, r, _, cca_l = nnx.merge(graphdef, params)(
-                h, r, state_scale=scale, positions=positions, inv_freq=freq, sliding_window=window_arg,
-                attention_mask=attention_mask, cca_state=cca_l, attend=layer_attend)
+            h, m, r, _, cca_l = layer.blocks(h, x, r, state_scale=scale, positions=positions, inv_freq=freq,
+                                             sliding_window=window_arg, attention_mask=attention_mask,
+                                             cca_state=cca_l, attend=layer_attend)
+            h, x = norm_ops.merge_rms_norm(m, h, *layer.post_mlp_residual_scale.vectors(), next_norm,
+                                           cfg.rms_norm_eps, dt, impl=cfg.norm_impl)
             produced.append((cca_l, new_attend["state"]))
         cca_state, attend_state = jax.tree.map(lambda *layers: LayerSlices(layers), *produced)
-        y = norm_ops.rms_norm(h, self.norm.weight[...], cfg.rms_norm_eps, dt, impl=cfg.norm_impl)
-        return y, cca_state, attend_state
+        return x, cca_state, attend_state
 
 
 class LMHead(nnx.Module):

@@ -47,14 +47,23 @@ def attention_reference(q, k, v, *, q_positions=None, kv_positions=None, kv_vali
                           sliding_window=sliding_window)
     qg = q.reshape(B, T, KV, g, d)
     # scores and the value product in the compute dtype (fp32 accumulation inside the GEMM, as HF's bf16
-    # matmuls), so the backward GEMMs stay in it too; the softmax itself runs in fp32
-    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=q.dtype).astype(jnp.float32) * scale
+    # matmuls), so the backward GEMMs stay in it too; the softmax itself runs in fp32. A single query (a decode
+    # step) drops the query axis from both products: the output is then [B, KV, g, d], already in [B, 1, H, d]
+    # order, where the general product's [B, KV, g, T, d] needs a transpose (a kernel of its own in each step).
+    if T == 1:
+        s = jnp.einsum("bkgd,bskd->bkgs", qg[:, 0], k, preferred_element_type=q.dtype)[:, :, :, None]
+    else:
+        s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=q.dtype)
+    s = s.astype(jnp.float32) * scale
     s = jnp.where(mask[:, None, None], s, _NEG)
     m = jnp.max(s, axis=-1, keepdims=True)
     p = jnp.exp(s - m)
     denom = jnp.sum(p, axis=-1, keepdims=True)
     p = (p / denom).astype(v.dtype)
-    o = jnp.einsum("bkgts,bskd->btkgd", p, v, preferred_element_type=q.dtype)
+    if T == 1:
+        o = jnp.einsum("bkgs,bskd->bkgd", p[:, :, :, 0], v, preferred_element_type=q.dtype)
+    else:
+        o = jnp.einsum("bkgts,bskd->btkgd", p, v, preferred_element_type=q.dtype)
     o = o.reshape(B, T, H, d)
     if return_lse:
         lse = (m + jnp.log(denom))[..., 0]  # [B, KV, g, T]
