@@ -25,6 +25,7 @@ from zaya_jax.inference.cache import (
     init_cache,
 )
 from zaya_jax.inference.kernels import with_kernels
+from zaya_jax.model.base import Linear
 from zaya_jax.model.compute_view import compute_view
 from zaya_jax.model.zaya import ZayaForCausalLM
 
@@ -62,6 +63,7 @@ class Decoder:
 
     def __init__(self, model: ZayaForCausalLM, *, kernels: str | None = None):
         self.cfg = model.cfg
+        model = with_fused_projections(model)
         self.graphdef, self.state = nnx.split(with_kernels(model, kernels, "prefill"))
         self.state = compute_view(self.state, per_layer=True)
         self.step_graphdef = nnx.split(with_kernels(model, kernels, "decode"))[0]
@@ -92,6 +94,23 @@ class Decoder:
     def step(self, cache: DecodeCache, tokens):
         """One new token per row [B]. Returns (logits [B, V], cache)."""
         return self._step(self.state, cache, jnp.asarray(tokens, jnp.int32))
+
+
+def with_fused_projections(model: ZayaForCausalLM) -> ZayaForCausalLM:
+    """A copy of `model` (its arrays shared) whose CCA projections hold the four q/k/v weights concatenated
+    (CCAProjection.fused): one GEMV per layer and step instead of four. The concatenation is each output column's
+    own dot product, so the values are those of the four. The q, k and current-value Linears are dropped (nothing
+    else reads them); the delayed-value one stays for the cache's first delayed value (its bias)."""
+    clone = nnx.merge(*nnx.split(model))
+    proj = clone.model.layers.self_attn.qkv_proj
+    parts = [proj.q_proj, proj.k_proj, proj.v_proj_current, proj.v_proj_delayed]
+    fused = Linear(clone.cfg, 1, 1, bias=proj.q_proj.bias is not None, rngs=nnx.Rngs(0))
+    fused.weight = nnx.Param(jnp.concatenate([p.weight[...] for p in parts], axis=-2))  # [L, out, in]
+    if fused.bias is not None:
+        fused.bias = nnx.Param(jnp.concatenate([p.bias[...] for p in parts], axis=-1))
+    proj.fused = nnx.data(fused)
+    del proj.q_proj, proj.k_proj, proj.v_proj_current
+    return clone
 
 
 def _init(graphdef, state, batch, max_length):

@@ -44,6 +44,20 @@ class CCAProjection(nnx.Module):
         init = normal_init(cfg)
         self.conv_qk_depthwise = _Conv(init(rngs.params(), (C, 1, cfg.cca_time0), pdt), jnp.zeros((C,), pdt))
         self.conv_qk_grouped = _Conv(init(rngs.params(), (C, d, cfg.cca_time1), pdt), jnp.zeros((C,), pdt))
+        # the four projections as one Linear over their concatenated weights, set only in a decoder's copy of the
+        # model (inference/decoder.py): a decode step's four GEMVs are four kernel launches. Training keeps four:
+        # one GEMM measured level on the H200 in forward+backward (docs/experiments.md)
+        self.fused = None
+
+    def project(self, x):
+        """q, k, v_cur, v_del of x [B, T, D]: through `fused` when the model holds it, else the four Linears."""
+        if self.fused is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj_current(x), self.v_proj_delayed(x)
+        cfg = self.cfg
+        q_end = cfg.num_attention_heads * cfg.head_dim
+        k_end = q_end + cfg.num_key_value_heads * cfg.head_dim
+        v_end = k_end + cfg.num_key_value_heads * cfg.head_dim // 2
+        return tuple(jnp.split(self.fused(x), [q_end, k_end, v_end], axis=-1))
 
     def __call__(self, x, *, conv_mask=None, state: CCAState | None = None, segment_ids=None, exchange=None):
         """x: [B, T, D] (compute dtype). Returns q [B,T,H,d], k [B,T,KV,d], v [B,T,KV,d] and the CCAState at the
@@ -60,14 +74,9 @@ class CCAProjection(nnx.Module):
         if conv_mask is not None:  # HF zeroes padded positions before any projection
             x = x * conv_mask[:, :, None].astype(dt)
 
-        # one GEMM over the four projections' concatenated weights measured level on the H200 in forward+backward
-        # (docs/experiments.md), so they stay four
-        q = self.q_proj(x)
-        k = self.k_proj(x)
+        q, k, v_cur, v_del = self.project(x)
         qk = jnp.concatenate([q, k], axis=-1)  # channels [q heads | k heads]
         P = cfg.conv_halo
-        v_cur = self.v_proj_current(x)
-        v_del = self.v_proj_delayed(x)
         if exchange is not None:  # context parallel: the halo and delayed value come from the previous chunk
             tail = CCAState(conv=qk[:, T - P:], value=v_del[:, -1])
             zeros = jnp.zeros((B, 1, x.shape[-1]), dt)
