@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from zaya_jax.inference.kernels import with_kernels
+from zaya_jax.inference.kernels import with_config, with_kernels
+from zaya_jax.model.compute_view import compute_view
 from zaya_jax.model.zaya import ZayaForCausalLM
 
 
@@ -112,7 +113,13 @@ class Scorer:
         self.buckets = tuple(sorted(buckets)) if buckets else default_buckets(max_length)
         if self.buckets[-1] < max_length:
             raise ValueError(f"the largest bucket {self.buckets[-1]} is shorter than max_length {max_length}")
-        self.graphdef, self.state = nnx.split(with_kernels(model, kernels, "scoring"))
+        model = with_kernels(model, kernels, "scoring")
+        # unrolled over per-layer weights held as their own arrays (a copy made once, as the Decoder's): a layer
+        # scan copies every layer's slice of the stacked weights in each call, and the unrolled forward fuses
+        # each layer's last residual merge with the next norm
+        model = with_config(model, model.cfg.replace(scan_layers=False, remat="none"))
+        self.graphdef, state = nnx.split(model)
+        self.state = compute_view(state, per_layer=True)
         self._score = jax.jit(lambda state, *rows: _score_rows(self.graphdef, state, *rows))
         self._compiled = {}  # (bucket length, window) -> compiled scoring program
         self.seconds = {"compile": 0.0, "scoring": 0.0}  # where the calls' wall time went
