@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from test_compute_view import ops_on
-from test_train_accumulation import accumulating_setup, stacked_batches
+from test_train_accumulation import OFF, OPTIM, accumulating_setup, stacked_batches
 
 from zaya_jax.config import preset
 from zaya_jax.model import ZayaForCausalLM
@@ -24,7 +24,8 @@ from zaya_jax.model.base import BalancingBias
 from zaya_jax.model.compute_view import compute_view
 from zaya_jax.model.layer_stack import stack_layer_slices
 from zaya_jax.ops import grouped_matmul as gmm
-from zaya_jax.train.step import make_loss_fn
+from zaya_jax.optim.optimizer import build_optimizer
+from zaya_jax.train.step import make_accumulating_train_step, make_loss_fn
 
 
 def config(dtype: str, moe_impl: str = "pallas"):
@@ -100,15 +101,27 @@ def test_the_tapped_step_casts_the_tied_head_once_per_step():
     assert casts and not any(casts), casts  # cast before the loop, none inside it
 
 
+def abstract_model(cfg):
+    """(graphdef, params, model_state) of the model as shapes: the refusals below come while tracing."""
+    graphdef, params, model_state = nnx.split(nnx.eval_shape(lambda: ZayaForCausalLM(cfg, seed=3)), nnx.Param,
+                                              BalancingBias)
+    return graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(model_state)
+
+
 def test_configurations_deferral_cannot_serve_are_named():
     cfg = config("float32")
+    graphdef, _, _ = abstract_model(cfg)
     with pytest.raises(ValueError, match="per-layer view"):
-        accumulating_setup(cfg, 1, defer_expert_wgrad=True, compute_dtype="float32")
+        make_accumulating_train_step(graphdef, build_optimizer(OPTIM, log=None), OFF, balance_tokens=False,
+                                     defer_expert_wgrad=True, compute_dtype="float32")
     cfg = config("float32", moe_impl="ragged")
-    graphdef, params, model_state = nnx.split(ZayaForCausalLM(cfg, seed=3), nnx.Param, BalancingBias)
-    params, model_state = nnx.to_pure_dict(params), nnx.to_pure_dict(model_state)
+    graphdef, params, model_state = abstract_model(cfg)
     batch = {k: v[0] for k, v in stacked_batches(cfg, seed=1).items()}
-    view = deferred_wgrad.defer_expert_wgrads(compute_view(params, cfg.dtype, per_layer=True), batch["inputs"].size,
-                                              16)
+
+    def loss_at_the_deferred_view(params, model_state, batch):
+        view = deferred_wgrad.defer_expert_wgrads(compute_view(params, cfg.dtype, per_layer=True),
+                                                  batch["inputs"].size, 16)
+        return make_loss_fn(graphdef, False)(view, model_state, batch)
+
     with pytest.raises(ValueError, match="moe_impl 'pallas'"):
-        make_loss_fn(graphdef, False)(view, model_state, batch)
+        jax.eval_shape(loss_at_the_deferred_view, params, model_state, batch)
