@@ -88,6 +88,24 @@ class ZayaModel(nnx.Module):
                                  for t in cfg.layer_types], jnp.int32)
         return state_scale, inv_freq, windows
 
+    def _window_arg(self, window):
+        """A layer's sliding window: the config's int when every layer slides (static, so attention can skip the
+        tiles outside it), else the layer's traced value from _per_layer_inputs (None when no layer slides)."""
+        cfg = self.cfg
+        return cfg.sliding_window if set(cfg.layer_types) == {"hybrid_sliding"} else window
+
+    def _embed(self, input_ids):
+        """The fp32 residual stream's start: scaled input embeddings [B, T, D]."""
+        e = embedding_tap.lookup(self.embed_tokens.weight.get_value(), input_ids)
+        return (e + self.input_hidden_states_bias[...].astype(jnp.float32)) * self.input_hidden_states_scale[
+            ...].astype(jnp.float32)
+
+    def _norm_chain(self, layers):
+        """(first layer's input-norm weight, [the norm after each layer]) for the unrolled forwards, which fuse
+        each layer's last residual merge with the norm after it: the next layer's input norm, the final norm last."""
+        norms = [layer.input_layernorm.weight[...] for layer in layers]
+        return norms[0], norms[1:] + [self.norm.weight[...]]
+
     def __call__(self, input_ids, attention_mask=None, positions=None, segment_ids=None, *, attend=None,
                  cca_exchange=None):
         """Returns (final normed hidden states [B,T,D] in the compute dtype, ForwardAux).
@@ -100,18 +118,14 @@ class ZayaModel(nnx.Module):
         B, T = input_ids.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))
-        e = embedding_tap.lookup(self.embed_tokens.weight.get_value(), input_ids)
-        h = (e + self.input_hidden_states_bias[...].astype(jnp.float32)) * self.input_hidden_states_scale[...].astype(
-            jnp.float32)
+        h = self._embed(input_ids)
         # zeros_like(h): under shard_map (context parallelism) the scan carry must vary over the mesh axes as h does
         router_state = jnp.zeros_like(h, shape=(B, T, cfg.router_hidden_size))
         state_scale, inv_freq, windows = self._per_layer_inputs()
-        uniform_window = cfg.sliding_window if set(cfg.layer_types) == {"hybrid_sliding"} else None
         graphdef, layer_state = nnx.split(self.layers)
 
         def layer_kwargs(scale, freq, window):
-            window_arg = window if windows is not None and uniform_window is None else uniform_window
-            return dict(state_scale=scale, positions=positions, inv_freq=freq, sliding_window=window_arg,
+            return dict(state_scale=scale, positions=positions, inv_freq=freq, sliding_window=self._window_arg(window),
                         attention_mask=attention_mask, segment_ids=segment_ids, attend=attend,
                         cca_exchange=cca_exchange)
 
@@ -145,10 +159,10 @@ class ZayaModel(nnx.Module):
             y = norm_ops.rms_norm(h, self.norm.weight[...], cfg.rms_norm_eps, dt, impl=cfg.norm_impl)
             return y, ForwardAux(router_stats=counts)
         per_layer = unstack_layers(xs, cfg.num_hidden_layers)
-        input_norms = [nnx.merge(graphdef, layer_xs[0]).input_layernorm.weight[...] for layer_xs in per_layer]
-        x = norm_ops.rms_norm(h, input_norms[0], cfg.rms_norm_eps, dt, impl=cfg.norm_impl)
+        first_norm, next_norms = self._norm_chain([nnx.merge(graphdef, layer_xs[0]) for layer_xs in per_layer])
+        x = norm_ops.rms_norm(h, first_norm, cfg.rms_norm_eps, dt, impl=cfg.norm_impl)
         carry, counts = (h, x, router_state), []
-        for layer_xs, next_norm in zip(per_layer, input_norms[1:] + [self.norm.weight[...]]):
+        for layer_xs, next_norm in zip(per_layer, next_norms):
             carry, c = unrolled_body(carry, (*layer_xs, next_norm))
             counts.append(c)
         return carry[1], ForwardAux(router_stats=jnp.stack(counts))
@@ -170,21 +184,18 @@ class ZayaModel(nnx.Module):
         cfg = self.cfg
         dt = dtypes(cfg)[0]
         B, T = input_ids.shape
-        e = embedding_tap.lookup(self.embed_tokens.weight.get_value(), input_ids)
-        h = (e + self.input_hidden_states_bias[...].astype(jnp.float32)) * self.input_hidden_states_scale[...].astype(
-            jnp.float32)
+        h = self._embed(input_ids)
         r = jnp.zeros((B, T, cfg.router_hidden_size), jnp.float32)
         state_scale, inv_freq, windows = self._per_layer_inputs()
-        uniform_window = cfg.sliding_window if set(cfg.layer_types) == {"hybrid_sliding"} else None
         graphdef, layer_params = nnx.split(self.layers)
         xs = (layer_params, state_scale, inv_freq, windows, cca_state, attend_state)
         per_layer = unstack_layers(xs, cfg.num_hidden_layers)
         layers = [nnx.merge(graphdef, layer_xs[0]) for layer_xs in per_layer]
-        next_norms = [layer.input_layernorm.weight[...] for layer in layers[1:]] + [self.norm.weight[...]]
-        x = norm_ops.rms_norm(h, layers[0].input_layernorm.weight[...], cfg.rms_norm_eps, dt, impl=cfg.norm_impl)
+        first_norm, next_norms = self._norm_chain(layers)
+        x = norm_ops.rms_norm(h, first_norm, cfg.rms_norm_eps, dt, impl=cfg.norm_impl)
         produced = []
         for layer, (_, scale, freq, window, cca_l, attend_l), next_norm in zip(layers, per_layer, next_norms):
-            window_arg = window if windows is not None and uniform_window is None else uniform_window
+            window_arg = self._window_arg(window)
             new_attend = {}
 
             def layer_attend(q, k, v, attend_l=attend_l, window_arg=window_arg, new_attend=new_attend):
