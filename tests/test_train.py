@@ -43,6 +43,17 @@ def losses(workdir):
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
+def stopped_after(workdir, dest, step):
+    """A copy of run `workdir` as if it had stopped after `step`: later checkpoints and the metrics log dropped."""
+    shutil.copytree(workdir, dest)
+    ckpts = os.path.join(dest, "checkpoints")
+    for name in os.listdir(ckpts):
+        if name.isdigit() and int(name) > step:
+            shutil.rmtree(os.path.join(ckpts, name))
+    os.remove(os.path.join(dest, "metrics.jsonl"))
+    return dest
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     """The uninterrupted 6-step run (a checkpoint after every step, all kept) and its losses, which the other runs
@@ -59,11 +70,7 @@ def test_resume_is_exact(straight, tmp_path):
     workdir, full = straight
     # the run as if stopped after step 3 (the state a run of steps=3 saves: the same program and data; changing
     # train.steps on a resume: tests/test_run_lifecycle.py and the unreadable-step test below)
-    stopped = str(tmp_path / "stopped")
-    shutil.copytree(workdir, stopped)
-    for s in range(4, STEPS + 1):
-        shutil.rmtree(os.path.join(stopped, "checkpoints", str(s)))
-    os.remove(os.path.join(stopped, "metrics.jsonl"))
+    stopped = stopped_after(workdir, str(tmp_path / "stopped"), 3)
     run(small_config(), stopped, log=lambda *_: None)  # resumes after the step-3 checkpoint
     resumed = losses(stopped)
     assert sorted(resumed) == [4, 5, 6]

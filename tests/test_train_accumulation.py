@@ -11,7 +11,6 @@ and, through the trainer, a batch ramp (k = 1, 2, 2) trains and resumes mid-ramp
 import math
 import os
 import re
-import shutil
 
 import jax
 import numpy as np
@@ -20,7 +19,7 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_train import losses, small_config
+from test_train import losses, small_config, stopped_after
 
 from zaya_jax.config import preset
 from zaya_jax.optim.balancing import BalancerConfig, update_biases
@@ -251,11 +250,7 @@ def test_a_batch_ramp_trains_and_resumes_at_the_right_microbatch(tmp_path):
     assert data["step"] == 1 + 2 + 2  # the iterator counts microbatches
 
     # the run as if it had stopped after step 1 (k=1), which a run of steps=1 saves the same (one run fewer)
-    split = str(tmp_path / "split")
-    shutil.copytree(straight, split)
-    for step in ("2", "3"):
-        shutil.rmtree(os.path.join(split, "checkpoints", step))
-    os.remove(os.path.join(split, "metrics.jsonl"))
+    split = stopped_after(straight, str(tmp_path / "split"), 1)
     run(ramp_config(steps=3), split, log=lambda *_: None)  # resumes after step 1 (k=1) into k=2
     resumed = losses(split)
     assert sorted(resumed) == [2, 3]
