@@ -100,11 +100,13 @@ class ZayaModel(nnx.Module):
         return (e + self.input_hidden_states_bias[...].astype(jnp.float32)) * self.input_hidden_states_scale[
             ...].astype(jnp.float32)
 
-    def _norm_chain(self, layers):
-        """(first layer's input-norm weight, [the norm after each layer]) for the unrolled forwards, which fuse
-        each layer's last residual merge with the norm after it: the next layer's input norm, the final norm last."""
+    def _norm_chain(self, h, layers):
+        """(the first layer's normed input, [the norm weight after each layer]) for the unrolled forwards, which
+        fuse each layer's last residual merge with the norm after it: the next layer's input norm, the final last."""
+        cfg = self.cfg
         norms = [layer.input_layernorm.weight[...] for layer in layers]
-        return norms[0], norms[1:] + [self.norm.weight[...]]
+        x = norm_ops.rms_norm(h, norms[0], cfg.rms_norm_eps, dtypes(cfg)[0], impl=cfg.norm_impl)
+        return x, norms[1:] + [self.norm.weight[...]]
 
     def __call__(self, input_ids, attention_mask=None, positions=None, segment_ids=None, *, attend=None,
                  cca_exchange=None):
@@ -159,8 +161,7 @@ class ZayaModel(nnx.Module):
             y = norm_ops.rms_norm(h, self.norm.weight[...], cfg.rms_norm_eps, dt, impl=cfg.norm_impl)
             return y, ForwardAux(router_stats=counts)
         per_layer = unstack_layers(xs, cfg.num_hidden_layers)
-        first_norm, next_norms = self._norm_chain([nnx.merge(graphdef, layer_xs[0]) for layer_xs in per_layer])
-        x = norm_ops.rms_norm(h, first_norm, cfg.rms_norm_eps, dt, impl=cfg.norm_impl)
+        x, next_norms = self._norm_chain(h, [nnx.merge(graphdef, layer_xs[0]) for layer_xs in per_layer])
         carry, counts = (h, x, router_state), []
         for layer_xs, next_norm in zip(per_layer, next_norms):
             carry, c = unrolled_body(carry, (*layer_xs, next_norm))
@@ -191,8 +192,7 @@ class ZayaModel(nnx.Module):
         xs = (layer_params, state_scale, inv_freq, windows, cca_state, attend_state)
         per_layer = unstack_layers(xs, cfg.num_hidden_layers)
         layers = [nnx.merge(graphdef, layer_xs[0]) for layer_xs in per_layer]
-        first_norm, next_norms = self._norm_chain(layers)
-        x = norm_ops.rms_norm(h, first_norm, cfg.rms_norm_eps, dt, impl=cfg.norm_impl)
+        x, next_norms = self._norm_chain(h, layers)
         produced = []
         for layer, (_, scale, freq, window, cca_l, attend_l), next_norm in zip(layers, per_layer, next_norms):
             window_arg = self._window_arg(window)
