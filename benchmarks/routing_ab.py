@@ -2,7 +2,8 @@
 machine (only same-call figures compare: calls differ by up to 8% on the same code), summarised into one JSON:
 
     python -m benchmarks.routing_ab --out FILE [--steps 14] [--runs controller,random,round_robin,collapsed]
-                                    [--config benchmarks/routing_bench_config.py] [-- EXTRA FLAGS FOR EVERY RUN]
+                                    [--repeats 1] [--config benchmarks/routing_bench_config.py]
+                                    [-- EXTRA FLAGS FOR EVERY RUN]
 
 Runs:
   controller   launch.train as configured: the balancing solve in every forward (the Pallas rounds on a GPU)
@@ -17,7 +18,9 @@ to whole tiles costs; round_robin against collapsed what the rest of routing to 
 and one weight read per expert instead of one). benchmarks/train_solve_variant.py replaces the routing.
 
 Per run: tokens/s as the median over steps 3 on (compilation and warm-up before), every step's worst-layer max and min
-load, the last loss. Each run's workdir is removed after it (a bench checkpoint is gigabytes)."""
+load, the last loss. Each run's workdir is removed after it (a bench checkpoint is gigabytes). With --repeats N the
+list runs N times interleaved (A, B, A, B, ...; repeat r of run A is recorded as "A#r"), and `spread` gives each run's
+tokens/s over its repeats: the same-call noise that a difference between runs has to exceed."""
 
 from __future__ import annotations
 
@@ -63,6 +66,25 @@ def summarize(rows: list[dict]) -> dict:
             "min_load": [round(r["min_load"], 3) for r in train]}
 
 
+def schedule(names: list[str], repeats: int) -> list[tuple[str, str]]:
+    """(label, run) in launch order: the list `repeats` times over, repeat r > 1 labelled 'name#r'."""
+    return [(name if r == 1 else f"{name}#{r}", name) for r in range(1, repeats + 1) for name in names]
+
+
+def spread(runs: dict) -> dict:
+    """Per run name: tokens/s of each finished repeat, their median and (max - min) / median."""
+    key = f"tokens_per_s_median_steps_{FIRST_TIMED_STEP}_on"
+    out = {}
+    for label, entry in runs.items():
+        if key in entry:
+            out.setdefault(label.split("#")[0], {"tokens_per_s": []})["tokens_per_s"].append(entry[key])
+    for figures in out.values():
+        values = figures["tokens_per_s"]
+        figures["median"] = statistics.median(values)
+        figures["range_over_median"] = round((max(values) - min(values)) / figures["median"], 4)
+    return out
+
+
 def read_metrics(path: str) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -74,6 +96,7 @@ def main():
     ap.add_argument("--steps", type=int, default=14)
     ap.add_argument("--runs", default="controller,random,round_robin,collapsed")
     ap.add_argument("--config", default="benchmarks/routing_bench_config.py")
+    ap.add_argument("--repeats", type=int, default=1, help="run the list this many times, interleaved")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per run")
     ap.add_argument("extra", nargs="*", help="flags added to every run (after --)")
     args = ap.parse_args()
@@ -83,9 +106,11 @@ def main():
         ap.error(f"unknown runs {unknown}; known: {sorted(RUNS)}")
     if args.steps <= FIRST_TIMED_STEP:
         ap.error(f"--steps must exceed {FIRST_TIMED_STEP} (the first timed step)")
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
     report = {"what": __doc__.split("\n\n")[0], "steps": args.steps, "config": args.config, "extra": args.extra,
-              "runs": {}}
-    for name in names:
+              "repeats": args.repeats, "runs": {}}
+    for label, name in schedule(names, args.repeats):
         workdir = tempfile.mkdtemp(prefix=f"routing_ab_{name}_")
         argv, env = command(name, args.config, args.steps, workdir, args.extra)
         start = time.perf_counter()
@@ -102,13 +127,15 @@ def main():
             entry = {"command": " ".join(["python", *argv[1:]]), "timed_out_s": args.timeout}
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
-        report["runs"][name] = entry
+        report["runs"][label] = entry
         key = f"tokens_per_s_median_steps_{FIRST_TIMED_STEP}_on"
         base = report["runs"].get("collapsed", {}).get(key)
         for run in report["runs"].values():
             if base and key in run:
                 run["against_collapsed"] = round(run[key] / base - 1, 4)
-        print(name, json.dumps({k: v for k, v in entry.items() if k not in ("command", "stderr_tail")}), flush=True)
+        if args.repeats > 1:
+            report["spread"] = spread(report["runs"])
+        print(label, json.dumps({k: v for k, v in entry.items() if k not in ("command", "stderr_tail")}), flush=True)
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
 

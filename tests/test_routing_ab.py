@@ -24,3 +24,12 @@ def test_summary_times_steps_after_warmup_and_keeps_every_load():
     assert out["max_load"] == [1.1, 1.2, 1.3, 1.4, 1.5] and out["min_load"][0] == 0.9
     with pytest.raises(ValueError, match="tokens_per_s"):
         routing_ab.summarize(rows[:2])
+
+
+def test_repeats_interleave_and_report_their_spread():
+    assert routing_ab.schedule(["a", "b"], 2) == [("a", "a"), ("b", "b"), ("a#2", "a"), ("b#2", "b")]
+    key = "tokens_per_s_median_steps_3_on"
+    runs = {"a": {key: 100}, "b": {key: 90}, "a#2": {key: 104}, "b#2": {"timed_out_s": 240}, "a#3": {key: 98}}
+    out = routing_ab.spread(runs)
+    assert out["a"] == {"tokens_per_s": [100, 104, 98], "median": 100, "range_over_median": 0.06}
+    assert out["b"] == {"tokens_per_s": [90], "median": 90, "range_over_median": 0.0}
