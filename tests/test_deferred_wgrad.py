@@ -41,7 +41,10 @@ def leaves_by_path(tree):
     return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(tree)}
 
 
-@pytest.mark.parametrize("dtype, expert_tol", [("float32", 1e-5), ("bfloat16", 1e-2)])
+# fp32 in the slow set: the accumulating step's test below holds the deferred expert gradients to 1e-5 in fp32; bf16
+# (the training dtype) checks the same exact non-expert gradients and embedding rows here
+@pytest.mark.parametrize("dtype, expert_tol", [pytest.param("float32", 1e-5, marks=pytest.mark.slow),
+                                               ("bfloat16", 1e-2)])
 def test_one_microbatch_gradients_at_the_deferred_view(dtype, expert_tol):
     cfg = config(dtype)
     graphdef, params, model_state = nnx.split(ZayaForCausalLM(cfg, seed=3), nnx.Param, BalancingBias)

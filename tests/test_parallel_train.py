@@ -103,8 +103,10 @@ def test_zero1_and_context_parallel_train_like_the_replicated_run(zero1_run, tmp
 # devices x context: 1 x 2 is the pure-context layout, ZeRO-1 over 'context' only, whose gradient reduction must not
 # leave the gradients varying over the (size-1) node axis (it failed once); context 4 and 8: the model's CP gradients
 # in tests/test_parallel_context.py
+# default: 8 devices onto 2 with context parallelism (another mesh shape and axis); 4 and 1 in the slow set
 @pytest.mark.parametrize("devices, context", [pytest.param(4, 1, id="4", marks=pytest.mark.slow),  # between 8 and 2
-                                              pytest.param(2, 2, id="1x2_context"), pytest.param(1, 1, id="1")])
+                                              pytest.param(2, 2, id="1x2_context"),
+                                              pytest.param(1, 1, id="1", marks=pytest.mark.slow)])
 def test_zero1_checkpoint_from_8_devices_resumes_on_fewer(zero1_run, tmp_path, monkeypatch, devices, context):
     workdir, reference = zero1_run
     resumed = str(tmp_path / f"on{devices}")
