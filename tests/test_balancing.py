@@ -235,6 +235,7 @@ def per_layer(row, figure):
     return [v for k, v in sorted(row.items()) if k.startswith(f"routing/{figure}/layer_")]
 
 
+@pytest.mark.slow  # CI runs it (.ci/run); the solve and the controller at small scale: the tests above
 def test_default_run_keeps_every_layer_balanced(tmp_path, capsys):
     """The must-have of a MoE run: from step 20 on, every layer's busiest expert gets at most 1.5x and its idlest
     at least 0.5x a uniform share (the controller before this rule: 8.0 and 0.0, one expert per layer)."""

@@ -196,6 +196,7 @@ def metrics(workdir):
         return [json.loads(line) for line in f]
 
 
+@pytest.mark.slow  # CI runs it (.ci/run); its steps one by one: the other tests here and test_train, test_hf_export
 def test_lifecycle_prepare_train_resume_evaluate_generate_export_transformers(tmp_path):
     docs = tmp_path / "docs.jsonl"
     sources = [os.path.join(ROOT, "zaya_jax", n) for n in ("config.py", "model_info.py", "param_count.py")]
