@@ -269,6 +269,7 @@ def test_run_end_to_end_on_cpu(tmp_path):
     assert json.loads((tmp_path / "report.json").read_text())["tokens_per_s"] == rep["tokens_per_s"]
 
 
+@pytest.mark.slow  # a benchmark tool's recovery (CI's slow pass)
 def test_rejected_override_and_state_rebuilt_after_failure(tmp_path):
     args = args_for(tmp_path)
     report = {"log": []}

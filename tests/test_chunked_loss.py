@@ -130,6 +130,7 @@ def test_a_precast_weight_copy_gives_the_same_values_and_gradients(chunk):
         loss(hidden, weight, weight)  # fp32: not the hidden states' dtype
 
 
+@pytest.mark.slow  # the chunked loss against full logits by default: the tests above, test_compute_view
 def test_train_loss_with_chunked_head_equals_full_head():
     cfg = preset("tiny", remat="none", dtype="float32")
     model = ZayaForCausalLM(cfg, seed=0)

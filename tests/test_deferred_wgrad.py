@@ -41,8 +41,8 @@ def leaves_by_path(tree):
     return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(tree)}
 
 
-# fp32 in the slow set: the accumulating step's test below holds the deferred expert gradients to 1e-5 in fp32; bf16
-# (the training dtype) checks the same exact non-expert gradients and embedding rows here
+# fp32 in the slow set with the accumulating step's test below (which holds the deferred expert gradients to 1e-5
+# in fp32); bf16 (the training dtype) checks the same exact non-expert gradients and embedding rows here
 @pytest.mark.parametrize("dtype, expert_tol", [pytest.param("float32", 1e-5, marks=pytest.mark.slow),
                                                ("bfloat16", 1e-2)])
 def test_one_microbatch_gradients_at_the_deferred_view(dtype, expert_tol):
@@ -80,6 +80,7 @@ def test_one_microbatch_gradients_at_the_deferred_view(dtype, expert_tol):
             np.testing.assert_array_equal(np.asarray(got[k]), want[k], err_msg=k)
 
 
+@pytest.mark.slow  # one microbatch at the deferred view by default (above)
 def test_the_accumulating_step_with_deferral_matches_the_step_without():
     cfg = config("float32")
     kwargs = dict(compute_dtype="float32", per_layer_view=True, grads_per_pass=2, ce_chunk_tokens=16)

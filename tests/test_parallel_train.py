@@ -88,6 +88,7 @@ def zero1_run(tmp_path_factory):
     return workdir, losses
 
 
+@pytest.mark.slow  # its parts by default: test_parallel_zero1, test_parallel_context, test_train_accumulation
 def test_zero1_and_context_parallel_train_like_the_replicated_run(zero1_run, tmp_path):
     _, reference = zero1_run
     assert sorted(reference) == list(range(1, STEPS + 1))
@@ -103,10 +104,11 @@ def test_zero1_and_context_parallel_train_like_the_replicated_run(zero1_run, tmp
 # devices x context: 1 x 2 is the pure-context layout, ZeRO-1 over 'context' only, whose gradient reduction must not
 # leave the gradients varying over the (size-1) node axis (it failed once); context 4 and 8: the model's CP gradients
 # in tests/test_parallel_context.py
-# default: 8 devices onto 2 with context parallelism (another mesh shape and axis); 4 and 1 in the slow set
-@pytest.mark.parametrize("devices, context", [pytest.param(4, 1, id="4", marks=pytest.mark.slow),  # between 8 and 2
-                                              pytest.param(2, 2, id="1x2_context"),
-                                              pytest.param(1, 1, id="1", marks=pytest.mark.slow)])
+# slow (a restore onto another mesh by default: test_train.py's next phase); 8 devices onto 2 with context
+# parallelism is the case that changes both the mesh's shape and its axes
+@pytest.mark.slow
+@pytest.mark.parametrize("devices, context", [pytest.param(4, 1, id="4"), pytest.param(2, 2, id="1x2_context"),
+                                              pytest.param(1, 1, id="1")])
 def test_zero1_checkpoint_from_8_devices_resumes_on_fewer(zero1_run, tmp_path, monkeypatch, devices, context):
     workdir, reference = zero1_run
     resumed = str(tmp_path / f"on{devices}")

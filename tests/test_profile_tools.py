@@ -9,9 +9,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow  # a benchmark tool's real run (CI's slow pass)
 def test_profile_scoring_attributes_kernels_to_source_lines(tmp_path):
     out = tmp_path / "profile.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_")}

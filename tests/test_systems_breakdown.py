@@ -100,6 +100,7 @@ def profiled(tmp_path_factory):
     return breakdown.run(bc, str(out), log=lambda *_: None), out
 
 
+@pytest.mark.slow  # a benchmark tool's real run (CI's slow pass); its parsing and rules: the tests above
 def test_profiled_cpu_step_is_split_into_categories(profiled):
     result, out = profiled
     t = result["seconds_per_step"]
@@ -114,6 +115,7 @@ def test_profiled_cpu_step_is_split_into_categories(profiled):
     assert (out / "breakdown.json").exists() and (out / "breakdown.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_memory_model_matches_the_compiled_step(profiled):
     """The memory model (recipe zaya_jax: what this trainer keeps) against XLA's own buffer assignment for the very
     step that was profiled."""

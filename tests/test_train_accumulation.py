@@ -237,6 +237,7 @@ def ramp_config(**train):
     return c
 
 
+@pytest.mark.slow  # the ramp's plan by default: tests/test_run_options.py, tests/test_configs.py
 def test_a_batch_ramp_trains_and_resumes_at_the_right_microbatch(tmp_path):
     plan = make_plan(ramp_config(steps=3))
     assert [plan.accumulation_at(s) for s in range(3)] == [1, 2, 2]
