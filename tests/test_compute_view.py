@@ -119,10 +119,12 @@ SLICING = ("slice", "dynamic_slice", "gather", "squeeze")
 
 
 # the per-layer view through the trainer's shard_map gradients only (one device: tests/test_train_accumulation.py).
-# The default run keeps the case that holds the others' features (ZeRO-1 on 4 devices, per-layer view); the other
-# two are marked slow (about 50 s each of compilation on 2 cores).
-@pytest.mark.parametrize("devices, per_layer", [pytest.param(1, False, id="one_device", marks=pytest.mark.slow),
-                                                pytest.param(4, False, id="zero1_4_devices", marks=pytest.mark.slow),
+# All three in the slow set (about 50 s each of compilation on 2 cores); by default the per-layer view in the
+# accumulating step on one device (test_train_accumulation) and lowered in the ZeRO-1 context-parallel step
+# (test_unrolled_layers).
+@pytest.mark.slow
+@pytest.mark.parametrize("devices, per_layer", [pytest.param(1, False, id="one_device"),
+                                                pytest.param(4, False, id="zero1_4_devices"),
                                                 pytest.param(4, True, id="zero1_4_devices_per_layer")])
 def test_the_accumulating_step_with_the_view_matches_the_step_without(devices, per_layer):
     step_view, state, batches = accumulating_step(devices, "bfloat16", unrolled=per_layer, per_layer=per_layer)
