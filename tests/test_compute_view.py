@@ -118,10 +118,9 @@ def ops_on(step, state, batches, primitives, in_dtype, out_dtype, shapes) -> lis
 SLICING = ("slice", "dynamic_slice", "gather", "squeeze")
 
 
-# the per-layer view through the trainer's shard_map gradients only (one device: tests/test_train_accumulation.py).
-# All three in the slow set (about 50 s each of compilation on 2 cores); by default the per-layer view in the
-# accumulating step on one device (test_train_accumulation) and lowered in the ZeRO-1 context-parallel step
-# (test_unrolled_layers).
+# The per-layer view through the trainer's shard_map gradients. All three in the slow set (about 50 s each of
+# compilation on 2 cores); by default the per-layer view runs in the accumulating step on one device
+# (tests/test_train_accumulation.py) and is lowered in the ZeRO-1 context-parallel step (tests/test_unrolled_layers.py).
 @pytest.mark.slow
 @pytest.mark.parametrize("devices, per_layer", [pytest.param(1, False, id="one_device"),
                                                 pytest.param(4, False, id="zero1_4_devices"),

@@ -24,7 +24,8 @@ TOL = 1e-5  # fp32 compute
 # layer is compiled, so a third would add compile time and no new path)
 CFG = tiny(dtype="float32", vocab_size=128, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, num_experts=4, router_hidden_size=8,
-           cca_time0=3, cca_time1=1, attention_bias=True, layer_types=("hybrid", "hybrid_sliding"), sliding_window=9, rope={"hybrid": RopeConfig(5e4, 0.5), "hybrid_sliding": RopeConfig(1e3, 0.5)})
+           cca_time0=3, cca_time1=1, attention_bias=True, layer_types=("hybrid", "hybrid_sliding"), sliding_window=9,
+           rope={"hybrid": RopeConfig(5e4, 0.5), "hybrid_sliding": RopeConfig(1e3, 0.5)})
 # a name fragment of each impl's Pallas kernels (pallas_kernels/*)
 KERNEL_NAMES = {"attention_impl": "attention", "moe_impl": "grouped_matmul", "norm_impl": "rms_norm",
                 "conv_impl": "qk_mix"}
