@@ -43,6 +43,7 @@ RUNS = {
     "collapsed": (["--config.balancing.learning_rate=0.0"], {}),
 }
 FIRST_TIMED_STEP = 3
+TOKENS_PER_S = f"tokens_per_s_median_steps_{FIRST_TIMED_STEP}_on"  # each run's throughput figure
 
 
 def command(name: str, config: str, steps: int, workdir: str, extra: list[str]) -> tuple[list[str], dict]:
@@ -60,7 +61,7 @@ def summarize(rows: list[dict]) -> dict:
         raise ValueError(f"no logged step at or after step {FIRST_TIMED_STEP} has tokens_per_s")
     train = [r for r in rows if "max_load" in r]
     return {"steps": max(r["step"] for r in rows),
-            f"tokens_per_s_median_steps_{FIRST_TIMED_STEP}_on": round(statistics.median(timed)),
+            TOKENS_PER_S: round(statistics.median(timed)),
             "loss_last": round(train[-1]["loss"], 4),
             "max_load": [round(r["max_load"], 3) for r in train],
             "min_load": [round(r["min_load"], 3) for r in train]}
@@ -73,11 +74,10 @@ def schedule(names: list[str], repeats: int) -> list[tuple[str, str]]:
 
 def spread(runs: dict) -> dict:
     """Per run name: tokens/s of each finished repeat, their median and (max - min) / median."""
-    key = f"tokens_per_s_median_steps_{FIRST_TIMED_STEP}_on"
     out = {}
     for label, entry in runs.items():
-        if key in entry:
-            out.setdefault(label.split("#")[0], {"tokens_per_s": []})["tokens_per_s"].append(entry[key])
+        if TOKENS_PER_S in entry:
+            out.setdefault(label.split("#")[0], {"tokens_per_s": []})["tokens_per_s"].append(entry[TOKENS_PER_S])
     for figures in out.values():
         values = figures["tokens_per_s"]
         figures["median"] = statistics.median(values)
@@ -128,11 +128,10 @@ def main():
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
         report["runs"][label] = entry
-        key = f"tokens_per_s_median_steps_{FIRST_TIMED_STEP}_on"
-        base = report["runs"].get("collapsed", {}).get(key)
+        base = report["runs"].get("collapsed", {}).get(TOKENS_PER_S)
         for run in report["runs"].values():
-            if base and key in run:
-                run["against_collapsed"] = round(run[key] / base - 1, 4)
+            if base and TOKENS_PER_S in run:
+                run["against_collapsed"] = round(run[TOKENS_PER_S] / base - 1, 4)
         if args.repeats > 1:
             report["spread"] = spread(report["runs"])
         print(label, json.dumps({k: v for k, v in entry.items() if k not in ("command", "stderr_tail")}), flush=True)

@@ -86,10 +86,10 @@ def reference():
                 cotangent=cotangent, logits=logits, grads=grads, cfg=cfg)
 
 
-# cp=4 adds no path that 2 and 8 leave out (ring steps, zigzag pairs): slow, kept out of the default run. All-gather
-# at cp=8 is slow too: its gather is cp=2's, and cp=8's chunks of exactly the halo go through the same CCA halo
-# exchange under ring-8 (the attention variants differ in attention only)
-# default: the all-gather at 2 chunks and the ring at 8 (every hop and the wrap-around); the rest in the slow set
+# Default: the all-gather at 2 chunks and the ring at 8 (every hop and the wrap-around); the rest is slow. cp=4 adds
+# no path that 2 and 8 leave out (ring steps, zigzag pairs); the ring at 2 is ring-8's exchange with one hop;
+# all-gather at cp=8 gathers as cp=2 does, and cp=8's chunks of exactly the halo go through the same CCA halo exchange
+# under ring-8 (the attention variants differ in attention only)
 @pytest.mark.parametrize("cp, variant", [(2, "allgather"), pytest.param(4, "allgather", marks=pytest.mark.slow),
                                          pytest.param(8, "allgather", marks=pytest.mark.slow),
                                          pytest.param(2, "ring", marks=pytest.mark.slow),
