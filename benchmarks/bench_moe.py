@@ -36,21 +36,19 @@ from pallas_kernels.grouped_matmul import default_tiling
 
 RAGGED_FUSION_FLAG = "--xla_gpu_experimental_use_ragged_dot_fusion=true"
 
-# H200 candidates around the defaults (block_rows 128; see GroupedTiling). Shared memory per stage
-# is (rows + cols) * k * 2 bytes: the largest here (256 x 64 x 4 stages, 128 x 128 x 3) stay under 227 KB.
+# H200 candidates around the defaults (64-row units in 128-row program tiles; see GroupedTiling). Shared memory per
+# stage is (rows + cols) * k * 2 bytes: the largest here (256 x 64 x 4 stages, 128 x 128 x 3) stay under 227 KB.
 FWD_CFGS = [dict(),
             dict(fwd_warps=4, fwd_stages=4),
             dict(fwd_n=256, fwd_k=64, fwd_warps=8, fwd_stages=3),
             dict(fwd_n=256, fwd_k=64, fwd_warps=8, fwd_stages=4),
             dict(fwd_n=128, fwd_k=128, fwd_warps=8, fwd_stages=3),
             dict(group_rows=16),
-            dict(block_rows=64, fwd_warps=4, fwd_stages=4),
-            # 64-row tiles halve each expert's padding (15% of the rows at 128 on the bench routing, ~7% at 64), but
-            # measured slower: forward 0.41-0.42 against 0.38-0.39 ms, 16 microbatches 1310.3 against 1297.4 ms in the
-            # step (docs/experiments.md, MoE)
-            dict(block_rows=64, fwd_n=256, fwd_k=64, fwd_warps=8, fwd_stages=4),
-            dict(block_rows=64, fwd_n=256, fwd_k=128, fwd_warps=8, fwd_stages=3),
-            dict(block_rows=64, fwd_n=128, fwd_k=128, fwd_warps=4, fwd_stages=4)]
+            dict(block_rows=128),  # whole 128-row units: no short last tile, twice the padding
+            # 64-row program tiles (every tile short) measured slower than 128-row ones: forward 0.41-0.42 against
+            # 0.38-0.39 ms (docs/experiments.md, MoE)
+            dict(program_rows=64, fwd_warps=4, fwd_stages=4),
+            dict(program_rows=64, fwd_n=256, fwd_k=128, fwd_warps=8, fwd_stages=3)]
 DGRAD_CFGS = [dict(),
               dict(dgrad_warps=4, dgrad_stages=4),
               dict(dgrad_n=256, dgrad_k=64, dgrad_warps=8, dgrad_stages=3),
@@ -148,7 +146,7 @@ def main():
     base = default_tiling(jnp.bfloat16)
     report = dict(device=bench.device_summary(), problem=dict(
         dataclasses.asdict(p), routed_tokens=routed, group_sizes=sizes[:p.experts].tolist(), skip_tokens=int(sizes[-1]),
-        padded_tiles_used=int(np.sum(-(-sizes[:p.experts] // base.block_rows))), block_rows=base.block_rows))
+        padded_units_used=int(np.sum(-(-sizes[:p.experts] // base.block_rows))), block_rows=base.block_rows))
 
     def save():
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

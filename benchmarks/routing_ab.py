@@ -8,7 +8,8 @@ machine (only same-call figures compare: calls differ by up to 8% on the same co
 Runs:
   controller   launch.train as configured: the balancing solve in every forward (the Pallas rounds on a GPU)
   xla_solve    the same with the XLA rounds (solve_impl 'xla')
-  controller_bm64  the controller with 64-row tiles of the grouped GEMM (128 by default): half the padding
+  controller_units128  the controller with each expert's rows padded to whole 128-row tiles of the grouped GEMM
+               (by default to 64-row units, the last tile of an expert running 64 rows)
   random       each token to a random expert and nothing solving: groups as uneven as sampling makes them, each
                padded to the grouped GEMM's row tiles, as the controller's are
   round_robin  token i to expert i mod E and nothing solving: equal groups of whole row tiles (no padding)
@@ -37,7 +38,7 @@ import time
 RUNS = {
     "controller": ([], {}),
     "xla_solve": (["--config.model.overrides.solve_impl=xla"], {}),
-    "controller_bm64": ([], {"BLOCK_ROWS": "64"}),
+    "controller_units128": ([], {"BLOCK_ROWS": "128"}),
     "round_robin": (["--config.balancing.learning_rate=0.0"], {"ROUTING": "round_robin"}),
     "random": (["--config.balancing.learning_rate=0.0"], {"ROUTING": "random"}),
     "collapsed": (["--config.balancing.learning_rate=0.0"], {}),

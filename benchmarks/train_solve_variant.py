@@ -12,7 +12,7 @@ every expert costs (benchmarks/routing_ab.py):
   random       each token to an expert drawn from the low bits of its router probabilities (new draws in every
                forward and layer): groups that differ by sampling noise, padded to row tiles as the controller's are
 
-BLOCK_ROWS sets the grouped GEMM's row tile (the unit every expert's token group is padded to) for the whole run.
+BLOCK_ROWS sets the grouped GEMM's row unit (each expert's token group is padded to a multiple of it) for the run.
 """
 
 import contextlib
@@ -56,5 +56,5 @@ with contextlib.ExitStack() as stack:
     if "BLOCK_ROWS" in os.environ:
         from pallas_kernels.grouped_matmul import tiling_override
         stack.enter_context(tiling_override(block_rows=int(os.environ["BLOCK_ROWS"])))
-        print(f"grouped GEMM row tile: {os.environ['BLOCK_ROWS']}", flush=True)
+        print(f"grouped GEMM row unit: {os.environ['BLOCK_ROWS']}", flush=True)
     runpy.run_module("launch.train", run_name="__main__")

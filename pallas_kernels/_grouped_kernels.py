@@ -1,17 +1,18 @@
 """Grouped-GEMM kernels of the MoE experts (Pallas, Triton lowering): forward / dgrad, and wgrad.
 
 Layout (built by `zaya_jax.ops.grouped_matmul.tile_layout`): rows sorted by group and every group padded to a whole
-number of `bm`-row tiles, so each row tile belongs to one group. `tile_group [T]` names it (non-decreasing; the value
-E marks idle tiles at the end). Weights are stored [E, out, in] as in PyTorch / the HF checkpoint.
+number of `bm`-row units, so each unit belongs to one group. Weights are stored [E, out, in] as in PyTorch / the HF
+checkpoint.
 
-  rows_matmul  'nt': y[tile t] = x[tile t] @ w[g(t)]ᵀ   (contract w's `in`: the forward)
-               'nn': y[tile t] = x[tile t] @ w[g(t)]    (contract w's `out`: the data gradient)
-               idle tiles (g = E) get zero rows.
-  group_wgrad  dw[e] = dy[rows of e]ᵀ @ x[rows of e]  ->  [E, out, in]; a group without tiles gets zeros.
+  rows_matmul  'nt': y[tile] = x[tile] @ w[g]ᵀ   (contract w's `in`: the forward)
+               'nn': y[tile] = x[tile] @ w[g]    (contract w's `out`: the data gradient)
+               a program's tile is up to `span` consecutive units of one group g (a group's last tile may have
+               fewer); the units past the last group (g = E) get zero rows.
+  group_wgrad  dw[e] = dy[rows of e]ᵀ @ x[rows of e]  ->  [E, out, in]; a group without units gets zeros.
 
 Shapes must be whole tiles (the public wrapper pads): rows % bm == 0, every other dimension a multiple of the block
 that walks it. Accumulation is fp32; outputs are in the input dtype. All operands are whole-array refs indexed with
-pl.ds, because the expert of a tile is only known inside the kernel (read from tile_group).
+pl.ds, because the expert and rows of a tile are only known inside the kernel (read from the tile tables).
 """
 
 from __future__ import annotations
@@ -45,15 +46,15 @@ def swizzled_tile(p, num_row_tiles: int, num_col_tiles: int, group_rows: int):
 
 
 # ------------------------------------------------------------------------------------------- forward / dgrad
-def _rows_kernel(group_ref, x_ref, w_ref, o_ref, *, bm, bn, bk, k_steps, num_row_tiles, num_col_tiles, group_rows,
-                 num_groups, transpose_w, precision):
-    row, col = swizzled_tile(pl.program_id(0), num_row_tiles, num_col_tiles, group_rows)
-    g = group_ref[row]
-    rows = pl.ds(pl.multiple_of(row * bm, bm), bm)
+def _rows_kernel(unit_ref, group_ref, units_ref, x_ref, w_ref, o_ref, *, bm, span, bn, bk, k_steps, num_tiles,
+                 num_col_tiles, group_rows, num_groups, transpose_w, precision):
+    tile, col = swizzled_tile(pl.program_id(0), num_tiles, num_col_tiles, group_rows)
+    g = group_ref[tile]
+    n = units_ref[tile]
+    first = pl.multiple_of(unit_ref[tile] * bm, bm)
     cols = pl.ds(pl.multiple_of(col * bn, bn), bn)
 
-    @pl.when(g < num_groups)
-    def _compute():
+    def compute(rows, m):
         def step(k, acc):
             ks = pl.ds(pl.multiple_of(k * bk, bk), bk)
             a = x_ref[rows, ks]
@@ -62,39 +63,45 @@ def _rows_kernel(group_ref, x_ref, w_ref, o_ref, *, bm, bn, bk, k_steps, num_row
                                              preferred_element_type=F32)
             return acc + lax.dot_general(a, w_ref[g, ks, cols], _NN, precision=precision, preferred_element_type=F32)
 
-        acc = lax.fori_loop(0, k_steps, step, jnp.zeros((bm, bn), F32))
+        acc = lax.fori_loop(0, k_steps, step, jnp.zeros((m, bn), F32))
         o_ref[rows, cols] = acc.astype(o_ref.dtype)
 
-    @pl.when(g >= num_groups)
-    def _idle():  # padding tiles past the last group: defined zeros (outputs are not zero-initialised)
-        o_ref[rows, cols] = jnp.zeros((bm, bn), o_ref.dtype)
+    def idle(rows, m):  # the units past the last group: defined zeros (outputs are not zero-initialised)
+        o_ref[rows, cols] = jnp.zeros((m, bn), o_ref.dtype)
+
+    for u in range(1, span + 1):  # one branch per tile height: a group's last tile may be shorter
+        rows = pl.ds(first, u * bm)
+        pl.when((n == u) & (g < num_groups))(functools.partial(compute, rows, u * bm))
+        pl.when((n == u) & (g >= num_groups))(functools.partial(idle, rows, u * bm))
 
 
-def rows_matmul(x, w, tile_group, *, transpose_w: bool, block_n: int, block_k: int, group_rows: int,
-                num_warps: int, num_stages: int, interpret: bool):
-    """'nt' (transpose_w=True): x [M, in] -> [M, out]; 'nn': x [M, out] -> [M, in]. w [E, out, in]."""
+def rows_matmul(x, w, tiles, *, transpose_w: bool, block_rows: int, span: int, block_n: int, block_k: int,
+                group_rows: int, num_warps: int, num_stages: int, interpret: bool):
+    """'nt' (transpose_w=True): x [M, in] -> [M, out]; 'nn': x [M, out] -> [M, in]. w [E, out, in].
+
+    tiles [3, W] int32: each program's first row unit, group and number of units (<= span; 0: nothing), from
+    pallas_kernels.grouped_matmul.program_tiles."""
     M, K = x.shape
     E = w.shape[0]
-    T = tile_group.shape[0]
-    bm = M // T
+    W = tiles.shape[1]
     n_out = w.shape[1] if transpose_w else w.shape[2]
     contract = w.shape[2] if transpose_w else w.shape[1]
-    if M % T or K != contract or n_out % block_n or K % block_k:
-        raise ValueError(f"rows_matmul: x {x.shape}, w {w.shape}, {T} tiles, blocks ({block_n}, {block_k}) do not "
-                         f"tile (transpose_w={transpose_w})")
+    if M % block_rows or K != contract or n_out % block_n or K % block_k or tiles.shape[0] != 3:
+        raise ValueError(f"rows_matmul: x {x.shape}, w {w.shape}, tiles {tiles.shape}, rows {block_rows}, blocks "
+                         f"({block_n}, {block_k}) do not tile (transpose_w={transpose_w})")
     num_col_tiles = n_out // block_n
     kernel = functools.partial(
-        _rows_kernel, bm=bm, bn=block_n, bk=block_k, k_steps=K // block_k, num_row_tiles=T,
+        _rows_kernel, bm=block_rows, span=span, bn=block_n, bk=block_k, k_steps=K // block_k, num_tiles=W,
         num_col_tiles=num_col_tiles, group_rows=group_rows, num_groups=E, transpose_w=transpose_w,
         precision=platform.dot_precision(x.dtype))
     return pl.pallas_call(
         kernel,
         out_shape=vma.out_struct((M, n_out), x.dtype, x),
-        grid=(T * num_col_tiles,),
+        grid=(W * num_col_tiles,),
         compiler_params=platform.compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="grouped_matmul_nt" if transpose_w else "grouped_matmul_nn",
-    )(tile_group, x, w)
+    )(tiles[0], tiles[1], tiles[2], x, w)
 
 
 # ------------------------------------------------------------------------------------------------------ wgrad

@@ -1,15 +1,17 @@
 """Grouped GEMM of the MoE experts on a tile-padded layout, with its custom VJP (Pallas, Triton lowering).
 
     grouped_matmul(x [M, in], w [E, out, in], tile_group [T]) -> y [M, out],
-    y[tile t] = x[tile t] @ w[tile_group[t]]ᵀ, zero rows for idle tiles (tile_group[t] == E).
+    y[unit t] = x[unit t] @ w[tile_group[t]]ᵀ, zero rows for idle units (tile_group[t] == E).
 
 M = T * block_rows: the layout (zaya_jax.ops.grouped_matmul.tile_layout) sorts tokens by expert and pads every
-expert's rows to whole tiles, so a row tile never straddles two experts and each kernel program reads one expert's
-weights. Compared with lax.ragged_dot (which XLA lowers on GPU to a dense dot over all experts, masked) the work is
-the useful work plus the padding of the last tile of each expert (< E * block_rows rows).
+expert's rows to whole `block_rows` units, so a unit never straddles two experts. A forward program computes up to
+program_rows / block_rows units of one expert (one weight read for a tall tile); an expert's last tile takes only its
+remaining units. Compared with lax.ragged_dot (which XLA lowers on GPU to a dense dot over all experts, masked) the
+work is the useful work plus the padding of each expert's last unit (< E * block_rows rows): short units keep the
+padding small, tall program tiles keep the GEMMs fast.
 
 Backward: dx = dy @ w[g] per tile (the same kernel contracting w's `out` axis) and dw[e] = dy[rows of e]ᵀ x[rows of e]
-(a kernel per (expert, output tile) that loops over that expert's row tiles only). Dimensions that are not whole
+(a kernel per (expert, output tile) that loops over that expert's units only). Dimensions that are not whole
 tiles are zero-padded here (zero columns add nothing to a contraction; extra output columns are cut off); ZAYA1's
 widths need no padding. fp32 accumulation throughout; outputs (dx, dw too) are in the input dtype.
 """
@@ -32,11 +34,15 @@ from pallas_kernels import platform, vma
 class GroupedTiling:
     """Tile sizes and Triton launch parameters of the three kernels.
 
-    block_rows is the layout's row tile (the padding unit of each expert's rows) and is shared by all three.
-    fwd_* / dgrad_*: output columns per program (n), contraction step (k); group_rows: row tiles per L2 band.
-    wgrad_*: output tile (n x k) of dw[e] per program, rows per contraction step (divides block_rows)."""
+    block_rows is the layout's row unit (each expert's rows are padded to a multiple of it), shared by all three.
+    program_rows: rows of a forward / dgrad program's tile (a multiple of block_rows; an expert's last tile may be
+    shorter by whole units). fwd_* / dgrad_*: output columns per program (n), contraction step (k); group_rows:
+    program tiles per L2 band. wgrad_*: output tile (n x k) of dw[e] per program, rows per contraction step (divides
+    block_rows)."""
 
-    block_rows: int = 128
+    # 128-row program tiles run the GEMMs faster than 64 (H200 sweeps); 64-row units halve each expert's padding.
+    block_rows: int = 64
+    program_rows: int = 128
     group_rows: int = 8
     # From the H200 sweeps: 256-column forward tiles beat 128, then 4 stages for the forward, a 256 x 64 dgrad tile
     # with 4 stages and a 128 x 256 wgrad tile were fastest; 128-row wgrad steps were slower (docs/experiments.md).
@@ -90,12 +96,12 @@ def default_tiling(dtype) -> GroupedTiling:
 def _default_tiling(dtype) -> GroupedTiling:
     vendor = platform.vendor()
     if vendor == "cpu":  # interpret mode: small tiles keep the interpreter quick and exercise several tiles
-        return GroupedTiling(block_rows=16, group_rows=2, fwd_n=16, fwd_k=16, fwd_warps=4, fwd_stages=1,
-                             dgrad_n=16, dgrad_k=16, dgrad_warps=4, dgrad_stages=1, wgrad_n=16, wgrad_k=16,
-                             wgrad_rows=16, wgrad_warps=4, wgrad_stages=1)
+        return GroupedTiling(block_rows=16, program_rows=32, group_rows=2, fwd_n=16, fwd_k=16, fwd_warps=4,
+                             fwd_stages=1, dgrad_n=16, dgrad_k=16, dgrad_warps=4, dgrad_stages=1, wgrad_n=16,
+                             wgrad_k=16, wgrad_rows=16, wgrad_warps=4, wgrad_stages=1)
     tiling = GroupedTiling()
     if jnp.dtype(dtype).itemsize >= 4:  # fp32 tiles take twice the shared memory per stage
-        tiling = dataclasses.replace(tiling, block_rows=64, fwd_n=64, fwd_k=32, fwd_warps=4, dgrad_n=64, dgrad_k=32,
+        tiling = dataclasses.replace(tiling, program_rows=64, fwd_n=64, fwd_k=32, fwd_warps=4, dgrad_n=64, dgrad_k=32,
                                      dgrad_warps=4, wgrad_n=64, wgrad_k=64, wgrad_rows=32, wgrad_warps=4)
     if vendor == "rocm":  # 64-lane wavefronts: half the warps for as many lanes; AMD's pipeliner wants <= 2 stages
         tiling = dataclasses.replace(
@@ -111,17 +117,49 @@ def group_tiles(tile_group, num_groups: int):
     return jnp.cumsum(count) - count, count
 
 
+def program_tiles(tile_group, num_groups: int, span: int):
+    """The forward / dgrad programs' tiles, [3, W] int32: first unit, group, number of units. Each group's units
+    run `span` at a time (its last tile takes the rest); then the units past the last group (group E, zeroed), `span`
+    at a time; programs left over get 0 units. W = ceil(T / span) + E bounds sum_e ceil(count_e / span) + the idle
+    tiles for any routing."""
+    T = tile_group.shape[0]
+    E = num_groups
+    start, count = group_tiles(tile_group, E)
+    per_group = -(-count // span)
+    end = jnp.cumsum(per_group)
+    j = jnp.arange(-(-T // span) + E, dtype=jnp.int32)
+    g = jnp.searchsorted(end, j, side="right").astype(jnp.int32)  # E past the last group's tiles
+    gc = jnp.minimum(g, E - 1)
+    local = (j - (end - per_group)[gc]) * span
+    idle_first = jnp.sum(count) + (j - end[-1]) * span
+    busy = g < E
+    first = jnp.where(busy, start[gc] + local, jnp.minimum(idle_first, T - 1))
+    units = jnp.where(busy, jnp.minimum(span, count[gc] - local), jnp.clip(T - idle_first, 0, span))
+    return jnp.stack([first, g, units]).astype(jnp.int32)
+
+
+def _span(t: GroupedTiling, unit: int) -> int:
+    """Units per program tile: program_rows / unit when that is whole, else 1 (a layout built on another unit)."""
+    return t.program_rows // unit if t.program_rows % unit == 0 else 1
+
+
 # ----------------------------------------------------------------------------------------- the custom VJP
+def _rows(x, w, tile_group, t: GroupedTiling, interpret: bool, transpose_w: bool):
+    unit = x.shape[0] // tile_group.shape[0]
+    span = _span(t, unit)
+    n, k, warps, stages = ((t.fwd_n, t.fwd_k, t.fwd_warps, t.fwd_stages) if transpose_w else
+                           (t.dgrad_n, t.dgrad_k, t.dgrad_warps, t.dgrad_stages))
+    return kern.rows_matmul(x, w, program_tiles(tile_group, w.shape[0], span), transpose_w=transpose_w,
+                            block_rows=unit, span=span, block_n=n, block_k=k, group_rows=t.group_rows,
+                            num_warps=warps, num_stages=stages, interpret=interpret)
+
+
 def _forward(x, w, tile_group, t: GroupedTiling, interpret: bool):
-    return kern.rows_matmul(x, w, tile_group, transpose_w=True, block_n=t.fwd_n, block_k=t.fwd_k,
-                            group_rows=t.group_rows, num_warps=t.fwd_warps, num_stages=t.fwd_stages,
-                            interpret=interpret)
+    return _rows(x, w, tile_group, t, interpret, transpose_w=True)
 
 
 def _dgrad(dy, w, tile_group, t: GroupedTiling, interpret: bool):
-    return kern.rows_matmul(dy, w, tile_group, transpose_w=False, block_n=t.dgrad_n, block_k=t.dgrad_k,
-                            group_rows=t.group_rows, num_warps=t.dgrad_warps, num_stages=t.dgrad_stages,
-                            interpret=interpret)
+    return _rows(dy, w, tile_group, t, interpret, transpose_w=False)
 
 
 def _wgrad(dy, x, tile_group, num_groups: int, t: GroupedTiling, interpret: bool):
@@ -157,7 +195,7 @@ _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 def grouped_matmul(x, w, tile_group, *, tiling: GroupedTiling | None = None, interpret: bool | None = None):
     """x [T * block_rows, in], w [E, out, in], tile_group [T] int32 non-decreasing in [0, E] -> [T * block_rows, out].
 
-    Differentiable in x and w. The row tile is x.shape[0] // T (the layout's); `tiling.block_rows` is what the
+    Differentiable in x and w. The row unit is x.shape[0] // T (the layout's); `tiling.block_rows` is what the
     layout should have been built with and is not consulted here."""
     if x.ndim != 2 or w.ndim != 3 or tile_group.ndim != 1:
         raise ValueError(f"grouped_matmul needs x [M, in], w [E, out, in], tile_group [T]; got {x.shape}, {w.shape}, "
@@ -170,9 +208,9 @@ def grouped_matmul(x, w, tile_group, *, tiling: GroupedTiling | None = None, int
         raise ValueError(f"grouped_matmul: x is {x.dtype} but w is {w.dtype}; cast to one compute dtype")
     n_in, n_out = w.shape[2], w.shape[1]
     if (x.shape[0] // tile_group.shape[0]) % 16:
-        raise ValueError(f"grouped_matmul: the row tile {x.shape[0] // tile_group.shape[0]} must be a multiple of 16")
+        raise ValueError(f"grouped_matmul: the row unit {x.shape[0] // tile_group.shape[0]} must be a multiple of 16")
     t = (tiling or default_tiling(x.dtype)).fitted(n_in, n_out)
-    # the wgrad row step must divide the row tile (both multiples of 16, the step a power of two)
+    # the wgrad row step must divide the row unit (both multiples of 16, the step a power of two)
     t = dataclasses.replace(t, wgrad_rows=math.gcd(t.wgrad_rows, x.shape[0] // tile_group.shape[0]))
     interpret = platform.interpret() if interpret is None else interpret
     in_multiple = max(t.fwd_k, t.dgrad_n, t.wgrad_k)  # every block that walks `in` divides it (powers of two)
@@ -214,4 +252,4 @@ def grouped_wgrad_sum(total, dys, xs, tile_groups, *, tiling: GroupedTiling | No
                             num_stages=t.wgrad_stages, interpret=interpret, base=total)
 
 
-__all__ = ["GroupedTiling", "default_tiling", "group_tiles", "grouped_matmul", "grouped_wgrad_sum"]
+__all__ = ["GroupedTiling", "default_tiling", "group_tiles", "grouped_matmul", "grouped_wgrad_sum", "program_tiles"]

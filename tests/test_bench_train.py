@@ -79,22 +79,22 @@ def test_the_ce_chunk_option_leaves_the_other_side_of_an_ab_alone():
 
 
 def test_moe_tiling_variants_replace_real_fields_and_only_while_tracing(monkeypatch):
-    """The *_moe_rows64 A/B variants name GroupedTiling fields; the override holds inside the context only and
+    """The *_moe_units128 A/B variants name GroupedTiling fields; the override holds inside the context only and
     gives the H200 another tiling than the default."""
     from pallas_kernels import platform
     from pallas_kernels import grouped_matmul as gk
     monkeypatch.setattr(platform, "vendor", lambda: "cuda")
     by_name = {v.name: v for v in extra_variants(2, 4096, True)}
-    rows64 = dict(by_name["accum16_moe_rows64"].moe_tiling)
-    assert rows64 and dict(by_name["fwd_bwd_moe_rows64"].moe_tiling) == rows64
+    units128 = dict(by_name["accum16_moe_units128"].moe_tiling)
+    assert units128 and dict(by_name["fwd_bwd_moe_units128"].moe_tiling) == units128
     default = gk.default_tiling(jax.numpy.bfloat16)
-    with gk.tiling_override(**rows64):
+    with gk.tiling_override(**units128):
         inside = gk.default_tiling(jax.numpy.bfloat16)
-    assert inside != default and all(getattr(inside, k) == v for k, v in rows64.items())
+    assert inside != default and all(getattr(inside, k) == v for k, v in units128.items())
     assert gk.default_tiling(jax.numpy.bfloat16) == default
     from zaya_jax.ops import grouped_matmul as gmm
-    with gk.tiling_override(**rows64):
-        assert gmm.block_rows(jax.numpy.bfloat16) == 64  # the layout's row tile follows the override too
+    with gk.tiling_override(**units128):
+        assert gmm.block_rows(jax.numpy.bfloat16) == 128  # the layout's row unit follows the override too
     assert gmm.block_rows(jax.numpy.bfloat16) == default.block_rows
     with pytest.raises(ValueError, match="not GroupedTiling fields"):
         with gk.tiling_override(fwd_tiles=2):

@@ -18,14 +18,16 @@ from pallas_kernels.grouped_matmul import (
     group_tiles,
     grouped_matmul,
     grouped_wgrad_sum,
+    program_tiles,
 )
 from zaya_jax import config as zc
 from zaya_jax.model.experts import Experts
 from zaya_jax.ops import grouped_matmul as gmm
 
-# 16-row tiles, 16-wide blocks: several tiles and K steps on CPU-sized inputs
-SMALL = GroupedTiling(block_rows=16, group_rows=2, fwd_n=16, fwd_k=16, fwd_warps=4, fwd_stages=1, dgrad_n=16,
-                      dgrad_k=16, dgrad_warps=4, dgrad_stages=1, wgrad_n=16, wgrad_k=16, wgrad_rows=16,
+# 16-row units, 32-row program tiles (an expert's last tile is 16 or 32 rows), 16-wide blocks: several tiles and K
+# steps on CPU-sized inputs
+SMALL = GroupedTiling(block_rows=16, program_rows=32, group_rows=2, fwd_n=16, fwd_k=16, fwd_warps=4, fwd_stages=1,
+                      dgrad_n=16, dgrad_k=16, dgrad_warps=4, dgrad_stages=1, wgrad_n=16, wgrad_k=16, wgrad_rows=16,
                       wgrad_warps=4, wgrad_stages=1)
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 
@@ -141,20 +143,41 @@ def test_forward_dgrad_wgrad_match_reference(kind, n, E, d_in, d_out, dtype):
         assert rel(tok, per_token(up(gmm.gather_rows(x, lay.dst, lay.src)), up(w), index)) <= tol, f"seed {seed}"
 
 
-def test_dgrad_kernel_contracts_the_output_axis():
-    """rows_matmul 'nn' alone: x [M, out] @ w[g] [out, in] per tile, idle tiles zero (here 2 idle tiles)."""
+@pytest.mark.parametrize("span", [1, 2, 3])
+def test_program_tiles_cover_every_unit_once_within_one_group(span):
+    rng, seed = rng_and_seed()
+    for _ in range(20):
+        E, n = int(rng.integers(1, 6)), int(rng.integers(0, 90))
+        index = jnp.asarray(rng.integers(0, E + 1, n), jnp.int32)
+        tg = np.asarray(gmm.tile_layout(index, E, 16).tile_group)
+        first, group, units = np.asarray(program_tiles(jnp.asarray(tg), E, span))
+        assert first.size == -(-tg.size // span) + E and np.all((units >= 0) & (units <= span)), f"seed {seed}"
+        covered = np.zeros(tg.size, int)
+        for f, g, u in zip(first, group, units):
+            covered[f:f + u] += 1
+            assert np.all(tg[f:f + u] == g), f"seed {seed}: a program tile straddles groups"
+        np.testing.assert_array_equal(covered, 1, err_msg=f"seed {seed}")
+        busy = group < E  # only a group's last tile is short
+        tiles_per_group = np.bincount(group[busy], minlength=E)
+        np.testing.assert_array_equal(tiles_per_group, -(-np.bincount(tg, minlength=E + 1)[:E] // span))
+
+
+@pytest.mark.parametrize("span", [1, 2])
+def test_dgrad_kernel_contracts_the_output_axis(span):
+    """rows_matmul 'nn' alone: x [M, out] @ w[g] [out, in] per unit, idle units zero (here 2 idle units); with span
+    2 group 0 runs as one 2-unit tile and group 2 as a 2-unit tile and a 1-unit tail."""
     rng, seed = rng_and_seed()
     E, bm, d_out, d_in = 3, 16, 32, 48
-    tile_group = jnp.asarray([0, 0, 2, 3, 3], jnp.int32)  # group 1 empty, last two tiles idle
-    x = normal(rng, (5 * bm, d_out), jnp.float32)
+    tile_group = jnp.asarray([0, 0, 2, 2, 2, 3, 3], jnp.int32)  # group 1 empty, last two units idle
+    x = normal(rng, (7 * bm, d_out), jnp.float32)
     w = normal(rng, (E, d_out, d_in), jnp.float32)
-    got = kern.rows_matmul(x, w, tile_group, transpose_w=False, block_n=16, block_k=16, group_rows=2, num_warps=4,
-                           num_stages=1, interpret=True)
+    got = kern.rows_matmul(x, w, program_tiles(tile_group, E, span), transpose_w=False, block_rows=bm, span=span,
+                           block_n=16, block_k=16, group_rows=2, num_warps=4, num_stages=1, interpret=True)
     g = np.repeat(np.asarray(tile_group), bm)
     want = np.where((g < E)[:, None], np.einsum("mo,moi->mi", np.asarray(x, np.float64),
                                                 np.asarray(w, np.float64)[np.minimum(g, E - 1)]), 0.0)
     assert rel(got, want) <= 1e-6, f"seed {seed}"
-    np.testing.assert_array_equal(np.asarray(got)[3 * bm:], 0.0)
+    np.testing.assert_array_equal(np.asarray(got)[5 * bm:], 0.0)
 
 
 def test_wgrad_kernel_sums_each_groups_rows_and_zeroes_empty_groups():

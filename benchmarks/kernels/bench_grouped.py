@@ -18,7 +18,7 @@ import numpy as np
 from pallas_kernels import _grouped_kernels as kern
 from pallas_kernels import platform
 from benchmarks.kernels.bench import time_call
-from pallas_kernels.grouped_matmul import GroupedTiling, group_tiles, grouped_wgrad_sum
+from pallas_kernels.grouped_matmul import GroupedTiling, group_tiles, grouped_wgrad_sum, program_tiles
 from zaya_jax.model.base import activation, compute_matmul
 from zaya_jax.model.experts import expert_block
 from zaya_jax.ops import grouped_matmul as gmm
@@ -133,25 +133,28 @@ def _layout(index_key: bytes, n: int, E: int, block_rows: int):
     return gmm.tile_layout(index, E, block_rows)
 
 
-def _kernel_inputs(p: MoEProblem, index: np.ndarray, block_rows: int, d_in: int, d_out: int):
-    lay = _layout(index.tobytes(), p.tokens, p.experts, block_rows)
+def _kernel_inputs(p: MoEProblem, index: np.ndarray, t: GroupedTiling, d_in: int, d_out: int):
+    lay = _layout(index.tobytes(), p.tokens, p.experts, t.block_rows)
     k = jax.random.split(jax.random.key(p.seed + d_in + 7 * d_out), 3)
     x = gmm.gather_rows(jax.random.normal(k[0], (p.tokens, d_in), BF16), lay.src, lay.dst)
     dy = gmm.gather_rows(jax.random.normal(k[1], (p.tokens, d_out), BF16), lay.src, lay.dst)
     w = (0.02 * jax.random.normal(k[2], (p.experts, d_out, d_in), jnp.float32)).astype(BF16)
     start, count = group_tiles(lay.tile_group, p.experts)
-    return dict(x=x, dy=dy, w=w, tile_group=lay.tile_group, start=start, count=count)
+    tiles = program_tiles(lay.tile_group, p.experts, t.program_rows // t.block_rows)
+    return dict(x=x, dy=dy, w=w, tile_group=lay.tile_group, tiles=tiles, start=start, count=count)
 
 
 def _kernel_fn(phase: str, t: GroupedTiling):
     interpret = platform.interpret()
     if phase == "fwd":
         return jax.jit(lambda a: kern.rows_matmul(
-            a["x"], a["w"], a["tile_group"], transpose_w=True, block_n=t.fwd_n, block_k=t.fwd_k,
+            a["x"], a["w"], a["tiles"], transpose_w=True, block_rows=t.block_rows,
+            span=t.program_rows // t.block_rows, block_n=t.fwd_n, block_k=t.fwd_k,
             group_rows=t.group_rows, num_warps=t.fwd_warps, num_stages=t.fwd_stages, interpret=interpret))
     if phase == "dgrad":
         return jax.jit(lambda a: kern.rows_matmul(
-            a["dy"], a["w"], a["tile_group"], transpose_w=False, block_n=t.dgrad_n, block_k=t.dgrad_k,
+            a["dy"], a["w"], a["tiles"], transpose_w=False, block_rows=t.block_rows,
+            span=t.program_rows // t.block_rows, block_n=t.dgrad_n, block_k=t.dgrad_k,
             group_rows=t.group_rows, num_warps=t.dgrad_warps, num_stages=t.dgrad_stages, interpret=interpret))
     return jax.jit(lambda a: kern.group_wgrad(
         [a["dy"]], [a["x"]], a["start"][None], a["count"][None], block_rows=t.block_rows, block_n=t.wgrad_n,
@@ -168,7 +171,7 @@ def sweep_phase(phase: str, cfgs, base: GroupedTiling, p: MoEProblem, index: np.
         row, total = dict(cfg), 0.0
         try:
             for name, d_in, d_out in _gemm_shapes(p):
-                a = _kernel_inputs(p, index, t.block_rows, d_in, d_out)
+                a = _kernel_inputs(p, index, t, d_in, d_out)
                 sec = time_call(_kernel_fn(phase, t), a)
                 row[f"{name}_ms"] = sec * 1e3
                 row[f"{name}_tflops"] = 2.0 * routed * d_in * d_out / sec / 1e12
@@ -199,7 +202,7 @@ def time_wgrad_sum(p: MoEProblem, t: GroupedTiling, parts: int, reps: int = 4, s
     out = {}
     for name, d_in, d_out in _gemm_shapes(p):
         ins = [_kernel_inputs(dataclasses.replace(p, seed=p.seed + i), routing(dataclasses.replace(p, seed=p.seed + i)),
-                              t.block_rows, d_in, d_out) for i in range(parts)]
+                              t, d_in, d_out) for i in range(parts)]
         dys, xs, groups = [a["dy"] for a in ins], [a["x"] for a in ins], [a["tile_group"] for a in ins]
         total = jnp.zeros((p.experts, d_out, d_in), jnp.float32)
 

@@ -187,8 +187,8 @@ def extra_variants(batch: int, seq: int, gpu: bool, cudnn: bool = False) -> list
         r(accum16, name="accum16_xla_conv", conv_impl="xla",
           note="accum16 with XLA's CCA q/k mixing (both convolutions, mean residual paths)"),
         r(accum16, name="accum16_ce4096", ce_chunk=4096, note="accum16, CE chunks of 4096 tokens"),
-        *(r(v, name=f"{v.name}_moe_rows64", moe_tiling=(("block_rows", 64),),
-            note=f"{v.name} with 64-row grouped-GEMM tiles (half the padding of each expert's rows)")
+        *(r(v, name=f"{v.name}_moe_units128", moe_tiling=(("block_rows", 128),),
+            note=f"{v.name} with each expert's rows padded to whole 128-row grouped-GEMM tiles (no short last tile)")
           for v in (fwd_bwd, accum16)),
     ]
 
