@@ -102,8 +102,10 @@ def default_tiling(dtype) -> GroupedTiling:
 
 def _default_tiling(dtype) -> GroupedTiling:
     vendor = platform.vendor()
-    if vendor == "cpu":  # interpret mode: small tiles keep the interpreter quick and exercise several tiles
-        return GroupedTiling(block_rows=16, program_rows=32, group_rows=2, fwd_n=16, fwd_k=16, fwd_warps=4,
+    # interpret mode: small tiles keep the interpreter quick and exercise several tiles; one unit per program (each
+    # tile height is another branch to trace: the kernel tests run two-unit tiles)
+    if vendor == "cpu":
+        return GroupedTiling(block_rows=16, program_rows=16, group_rows=2, fwd_n=16, fwd_k=16, fwd_warps=4,
                              fwd_stages=1, dgrad_n=16, dgrad_k=16, dgrad_warps=4, dgrad_stages=1, wgrad_n=16,
                              wgrad_k=16, wgrad_rows=16, wgrad_warps=4, wgrad_stages=1, glu_n=16, glu_k=16,
                              glu_warps=4, glu_stages=1)
