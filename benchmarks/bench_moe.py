@@ -122,23 +122,6 @@ def _print_block(name: str, r: dict):
           f"{r['fwdbwd_tflops']:6.1f} TF/s", flush=True)
 
 
-def forward_only(p, arrays, routed: int, base) -> dict:
-    """The expert block's forward alone (inference): SwiGLU in the first GEMM's epilogue against the training
-    kernels, and those on whole 128-row units (no short last tile); ms, TFLOP/s and the ratios."""
-    print("forward only (inference)", flush=True)
-    out = {}
-    for name, impl, tiling in (("pallas_inference", "pallas_inference", base), ("pallas", "pallas", base),
-                               ("pallas_units128", "pallas", dataclasses.replace(base, block_rows=128))):
-        sec = bench.time_call(moe.block_fns(impl, tiling)[0], arrays)
-        out[name] = dict(fwd_ms=sec * 1e3, fwd_tflops=moe.block_flops(routed, p, False) / sec / 1e12)
-        print(f"  {name:22s} fwd {out[name]['fwd_ms']:7.3f} ms {out[name]['fwd_tflops']:6.1f} TF/s", flush=True)
-    out["glu_epilogue_speedup"] = out["pallas"]["fwd_ms"] / out["pallas_inference"]["fwd_ms"]
-    out["units64_speedup_vs_units128"] = out["pallas_units128"]["fwd_ms"] / out["pallas"]["fwd_ms"]
-    print(f"  SwiGLU epilogue {out['glu_epilogue_speedup']:.3f}x, 64-row units "
-          f"{out['units64_speedup_vs_units128']:.3f}x against 128", flush=True)
-    return out
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="benchmarks/results/moe.json")
@@ -147,7 +130,6 @@ def main():
     ap.add_argument("--wgrad-sum", type=int, default=4, metavar="K",
                     help="microbatches whose expert gradients are summed (per-microbatch kernels vs one; 0: skip)")
     ap.add_argument("--only-wgrad-sum", action="store_true", help="run only that comparison")
-    ap.add_argument("--only-forward", action="store_true", help="run only the forward-only (inference) timings")
     ap.add_argument("--tokens", type=int, default=None, help="tokens of the problem (default 8192, a training "
                     "microbatch; 32768 is a 32 x 1024 scoring batch)")
     ap.add_argument("--ragged-fusion-child", metavar="PATH", help=argparse.SUPPRESS)
@@ -180,10 +162,6 @@ def main():
     print(f"  bf16 GEMM {gemm:.0f} TFLOP/s", flush=True)
     save()
 
-    report["forward_only"] = forward_only(p, arrays, routed, base)
-    save()
-    if args.only_forward:
-        return
     if args.wgrad_sum:
         print(f"expert gradients of {args.wgrad_sum} microbatches into an fp32 total", flush=True)
         report["wgrad_sum"] = dict(parts=args.wgrad_sum, **moe.time_wgrad_sum(
@@ -221,6 +199,17 @@ def main():
     _print_block("dense_gemm", blocks["dense_gemm"])
     report["block"] = blocks
     save()
+    print("forward only (inference): SwiGLU in the first GEMM's epilogue, the training kernels, whole 128-row units",
+          flush=True)
+    forward = {}
+    for name, impl, tiling in (("pallas_inference", "pallas_inference", base), ("pallas", "pallas", base),
+                               ("pallas_units128", "pallas", dataclasses.replace(base, block_rows=128))):
+        sec = bench.time_call(moe.block_fns(impl, tiling)[0], arrays)
+        forward[name] = dict(fwd_ms=sec * 1e3, fwd_tflops=moe.block_flops(routed, p, False) / sec / 1e12)
+        print(f"  {name:22s} fwd {forward[name]['fwd_ms']:7.3f} ms {forward[name]['fwd_tflops']:6.1f} TF/s",
+              flush=True)
+    report["forward_only"] = forward
+    save()
     if vendor == "cuda" or quick:  # the cuDNN fusion exists on NVIDIA only; --quick dry-runs the subprocess path
         print("ragged under --xla_gpu_experimental_use_ragged_dot_fusion (subprocess)", flush=True)
         blocks["ragged_cudnn_fusion"] = run_ragged_fusion(quick)
@@ -247,6 +236,8 @@ def main():
         pallas_fwd_fraction_of_dense=pal["fwd_tflops"] / blocks["dense_gemm"]["fwd_tflops"],
         pallas_fwdbwd_fraction_of_dense=pal["fwdbwd_tflops"] / blocks["dense_gemm"]["fwdbwd_tflops"],
         pallas_fwdbwd_fraction_of_gemm_ceiling=pal["fwdbwd_tflops"] / gemm,
+        inference_fwd_speedup_vs_training_kernels=forward["pallas"]["fwd_ms"] / forward["pallas_inference"]["fwd_ms"],
+        units64_fwd_speedup_vs_units128=forward["pallas_units128"]["fwd_ms"] / forward["pallas"]["fwd_ms"],
         seconds=time.time() - t_start)
     save()
     print("ratios", flush=True)
