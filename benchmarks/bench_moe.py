@@ -76,10 +76,10 @@ QUICK_DGRAD = [dict(), dict(dgrad_k=32)]
 QUICK_WGRAD = [dict(), dict(wgrad_n=32)]
 
 
-def _problem(quick: bool, tokens: int | None = None) -> moe.MoEProblem:
+def _problem(quick: bool) -> moe.MoEProblem:
     if quick:
         return moe.MoEProblem(tokens=512, hidden=64, intermediate=64, experts=4)
-    return moe.MoEProblem() if tokens is None else moe.MoEProblem(tokens=tokens)
+    return moe.MoEProblem()
 
 
 def ragged_fusion_child(out_path: str, quick: bool):
@@ -130,8 +130,6 @@ def main():
     ap.add_argument("--wgrad-sum", type=int, default=4, metavar="K",
                     help="microbatches whose expert gradients are summed (per-microbatch kernels vs one; 0: skip)")
     ap.add_argument("--only-wgrad-sum", action="store_true", help="run only that comparison")
-    ap.add_argument("--tokens", type=int, default=None, help="tokens of the problem (default 8192, a training "
-                    "microbatch; 32768 is a 32 x 1024 scoring batch)")
     ap.add_argument("--ragged-fusion-child", metavar="PATH", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.ragged_fusion_child:
@@ -140,7 +138,7 @@ def main():
     t_start = time.time()
     vendor = platform.vendor()
     quick = args.quick or vendor == "cpu"
-    p = _problem(quick, args.tokens)
+    p = _problem(quick)
     arrays = moe.make_arrays(p)
     routed = moe.routed_tokens(arrays, p)
     index = np.asarray(arrays["index"])
@@ -199,17 +197,6 @@ def main():
     _print_block("dense_gemm", blocks["dense_gemm"])
     report["block"] = blocks
     save()
-    print("forward only (inference): SwiGLU in the first GEMM's epilogue, the training kernels, whole 128-row units",
-          flush=True)
-    forward = {}
-    for name, impl, tiling in (("pallas_inference", "pallas_inference", base), ("pallas", "pallas", base),
-                               ("pallas_units128", "pallas", dataclasses.replace(base, block_rows=128))):
-        sec = bench.time_call(moe.block_fns(impl, tiling)[0], arrays)
-        forward[name] = dict(fwd_ms=sec * 1e3, fwd_tflops=moe.block_flops(routed, p, False) / sec / 1e12)
-        print(f"  {name:22s} fwd {forward[name]['fwd_ms']:7.3f} ms {forward[name]['fwd_tflops']:6.1f} TF/s",
-              flush=True)
-    report["forward_only"] = forward
-    save()
     if vendor == "cuda" or quick:  # the cuDNN fusion exists on NVIDIA only; --quick dry-runs the subprocess path
         print("ragged under --xla_gpu_experimental_use_ragged_dot_fusion (subprocess)", flush=True)
         blocks["ragged_cudnn_fusion"] = run_ragged_fusion(quick)
@@ -236,8 +223,6 @@ def main():
         pallas_fwd_fraction_of_dense=pal["fwd_tflops"] / blocks["dense_gemm"]["fwd_tflops"],
         pallas_fwdbwd_fraction_of_dense=pal["fwdbwd_tflops"] / blocks["dense_gemm"]["fwdbwd_tflops"],
         pallas_fwdbwd_fraction_of_gemm_ceiling=pal["fwdbwd_tflops"] / gemm,
-        inference_fwd_speedup_vs_training_kernels=forward["pallas"]["fwd_ms"] / forward["pallas_inference"]["fwd_ms"],
-        units64_fwd_speedup_vs_units128=forward["pallas_units128"]["fwd_ms"] / forward["pallas"]["fwd_ms"],
         seconds=time.time() - t_start)
     save()
     print("ratios", flush=True)

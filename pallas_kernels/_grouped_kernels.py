@@ -47,32 +47,23 @@ def swizzled_tile(p, num_row_tiles: int, num_col_tiles: int, group_rows: int):
 
 # ------------------------------------------------------------------------------------------- forward / dgrad
 def _rows_kernel(unit_ref, group_ref, units_ref, x_ref, w_ref, o_ref, *, bm, span, bn, bk, k_steps, num_tiles,
-                 num_col_tiles, group_rows, num_groups, transpose_w, glu, precision):
+                 num_col_tiles, group_rows, num_groups, transpose_w, precision):
     tile, col = swizzled_tile(pl.program_id(0), num_tiles, num_col_tiles, group_rows)
     g = group_ref[tile]
     n = units_ref[tile]
     first = pl.multiple_of(unit_ref[tile] * bm, bm)
     cols = pl.ds(pl.multiple_of(col * bn, bn), bn)
-    up_cols = pl.ds(pl.multiple_of(num_col_tiles * bn + col * bn, bn), bn)  # glu: the up half's columns
-
-    def dot(a, w_cols, ks):
-        if transpose_w:
-            return lax.dot_general(a, w_ref[g, w_cols, ks], _NT, precision=precision, preferred_element_type=F32)
-        return lax.dot_general(a, w_ref[g, ks, w_cols], _NN, precision=precision, preferred_element_type=F32)
 
     def compute(rows, m):
         def step(k, acc):
             ks = pl.ds(pl.multiple_of(k * bk, bk), bk)
             a = x_ref[rows, ks]
-            if glu is None:
-                return acc + dot(a, cols, ks)
-            return acc[0] + dot(a, cols, ks), acc[1] + dot(a, up_cols, ks)
+            if transpose_w:
+                return acc + lax.dot_general(a, w_ref[g, cols, ks], _NT, precision=precision,
+                                             preferred_element_type=F32)
+            return acc + lax.dot_general(a, w_ref[g, ks, cols], _NN, precision=precision, preferred_element_type=F32)
 
-        zeros = jnp.zeros((m, bn), F32)
-        acc = lax.fori_loop(0, k_steps, step, zeros if glu is None else (zeros, zeros))
-        if glu is not None:  # act(gate) * up on the products rounded to the output dtype, as the unfused path
-            gate, up = (a.astype(o_ref.dtype) for a in acc)
-            acc = glu(gate) * up
+        acc = lax.fori_loop(0, k_steps, step, jnp.zeros((m, bn), F32))
         o_ref[rows, cols] = acc.astype(o_ref.dtype)
 
     def idle(rows, m):  # the units past the last group: defined zeros (outputs are not zero-initialised)
@@ -85,10 +76,8 @@ def _rows_kernel(unit_ref, group_ref, units_ref, x_ref, w_ref, o_ref, *, bm, spa
 
 
 def rows_matmul(x, w, tiles, *, transpose_w: bool, block_rows: int, span: int, block_n: int, block_k: int,
-                group_rows: int, num_warps: int, num_stages: int, interpret: bool, glu=None):
+                group_rows: int, num_warps: int, num_stages: int, interpret: bool):
     """'nt' (transpose_w=True): x [M, in] -> [M, out]; 'nn': x [M, out] -> [M, in]. w [E, out, in].
-    glu (an activation; 'nt' only): w's rows are [gate; up] halves and the output [M, out / 2] is
-    glu(x @ gateᵀ) * (x @ upᵀ), both products of a program in one pass over x.
 
     tiles [3, W] int32: each program's first row unit, group and number of units (<= span; 0: nothing), from
     pallas_kernels.grouped_matmul.program_tiles."""
@@ -97,26 +86,21 @@ def rows_matmul(x, w, tiles, *, transpose_w: bool, block_rows: int, span: int, b
     W = tiles.shape[1]
     n_out = w.shape[1] if transpose_w else w.shape[2]
     contract = w.shape[2] if transpose_w else w.shape[1]
-    if glu is not None:
-        if not transpose_w or n_out % 2:
-            raise ValueError(f"rows_matmul: glu needs the 'nt' product and an even output width, got w {w.shape}")
-        n_out //= 2
     if M % block_rows or K != contract or n_out % block_n or K % block_k or tiles.shape[0] != 3:
         raise ValueError(f"rows_matmul: x {x.shape}, w {w.shape}, tiles {tiles.shape}, rows {block_rows}, blocks "
                          f"({block_n}, {block_k}) do not tile (transpose_w={transpose_w})")
     num_col_tiles = n_out // block_n
     kernel = functools.partial(
         _rows_kernel, bm=block_rows, span=span, bn=block_n, bk=block_k, k_steps=K // block_k, num_tiles=W,
-        num_col_tiles=num_col_tiles, group_rows=group_rows, num_groups=E, transpose_w=transpose_w, glu=glu,
+        num_col_tiles=num_col_tiles, group_rows=group_rows, num_groups=E, transpose_w=transpose_w,
         precision=platform.dot_precision(x.dtype))
-    name = "grouped_matmul_glu" if glu is not None else "grouped_matmul_nt" if transpose_w else "grouped_matmul_nn"
     return pl.pallas_call(
         kernel,
         out_shape=vma.out_struct((M, n_out), x.dtype, x),
         grid=(W * num_col_tiles,),
         compiler_params=platform.compiler_params(num_warps, num_stages),
         interpret=interpret,
-        name=name,
+        name="grouped_matmul_nt" if transpose_w else "grouped_matmul_nn",
     )(tiles[0], tiles[1], tiles[2], x, w)
 
 

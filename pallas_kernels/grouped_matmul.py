@@ -59,12 +59,6 @@ class GroupedTiling:
     wgrad_rows: int = 64
     wgrad_warps: int = 8
     wgrad_stages: int = 3
-    # the inference forward with SwiGLU in its epilogue (grouped_matmul_glu): two fp32 accumulators per program,
-    # each glu_n wide (gate and up columns), so half the forward's width keeps them in registers
-    glu_n: int = 128
-    glu_k: int = 64
-    glu_warps: int = 8
-    glu_stages: int = 3
 
     def fitted(self, n_in: int, n_out: int) -> GroupedTiling:
         """Tiles no wider than the (power-of-two rounded) matrix, never below 16 (Triton's smallest dot)."""
@@ -72,8 +66,7 @@ class GroupedTiling:
             return max(16, min(block, platform.next_pow2(n)))
         return dataclasses.replace(
             self, fwd_n=fit(self.fwd_n, n_out), fwd_k=fit(self.fwd_k, n_in), dgrad_n=fit(self.dgrad_n, n_in),
-            dgrad_k=fit(self.dgrad_k, n_out), wgrad_n=fit(self.wgrad_n, n_out), wgrad_k=fit(self.wgrad_k, n_in),
-            glu_n=fit(self.glu_n, max(1, n_out // 2)), glu_k=fit(self.glu_k, n_in))
+            dgrad_k=fit(self.dgrad_k, n_out), wgrad_n=fit(self.wgrad_n, n_out), wgrad_k=fit(self.wgrad_k, n_in))
 
 
 _OVERRIDE: dict = {}  # fields replaced in default_tiling's result (tiling_override)
@@ -107,19 +100,16 @@ def _default_tiling(dtype) -> GroupedTiling:
     if vendor == "cpu":
         return GroupedTiling(block_rows=16, program_rows=16, group_rows=2, fwd_n=16, fwd_k=16, fwd_warps=4,
                              fwd_stages=1, dgrad_n=16, dgrad_k=16, dgrad_warps=4, dgrad_stages=1, wgrad_n=16,
-                             wgrad_k=16, wgrad_rows=16, wgrad_warps=4, wgrad_stages=1, glu_n=16, glu_k=16,
-                             glu_warps=4, glu_stages=1)
+                             wgrad_k=16, wgrad_rows=16, wgrad_warps=4, wgrad_stages=1)
     tiling = GroupedTiling()
     if jnp.dtype(dtype).itemsize >= 4:  # fp32 tiles take twice the shared memory per stage
         tiling = dataclasses.replace(tiling, program_rows=64, fwd_n=64, fwd_k=32, fwd_warps=4, dgrad_n=64, dgrad_k=32,
-                                     dgrad_warps=4, wgrad_n=64, wgrad_k=64, wgrad_rows=32, wgrad_warps=4,
-                                     glu_n=32, glu_k=32, glu_warps=4)
+                                     dgrad_warps=4, wgrad_n=64, wgrad_k=64, wgrad_rows=32, wgrad_warps=4)
     if vendor == "rocm":  # 64-lane wavefronts: half the warps for as many lanes; AMD's pipeliner wants <= 2 stages
         tiling = dataclasses.replace(
             tiling, fwd_warps=max(1, tiling.fwd_warps // 2), fwd_stages=min(2, tiling.fwd_stages),
             dgrad_warps=max(1, tiling.dgrad_warps // 2), dgrad_stages=min(2, tiling.dgrad_stages),
-            wgrad_warps=max(1, tiling.wgrad_warps // 2), wgrad_stages=min(2, tiling.wgrad_stages),
-            glu_warps=max(1, tiling.glu_warps // 2), glu_stages=min(2, tiling.glu_stages))
+            wgrad_warps=max(1, tiling.wgrad_warps // 2), wgrad_stages=min(2, tiling.wgrad_stages))
     return tiling
 
 
@@ -233,49 +223,6 @@ def grouped_matmul(x, w, tile_group, *, tiling: GroupedTiling | None = None, int
     return y[:, :n_out]
 
 
-def grouped_matmul_glu(x, w, tile_group, act, *, tiling: GroupedTiling | None = None,
-                       interpret: bool | None = None):
-    """x [T * block_rows, in], w [E, 2 I, in] (rows: gate then up), tile_group [T] -> [T * block_rows, I] =
-    act(x @ gate[g]ᵀ) * (x @ up[g]ᵀ) per unit, zero rows for idle units: the experts' first GEMM and SwiGLU in one
-    kernel, without the [rows, 2 I] product written and read back. Each product is rounded to x's dtype before the
-    activation, as in the unfused path. Forward only (inference): differentiating it raises."""
-    if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[2] or w.shape[1] % 2 or x.dtype != w.dtype:
-        raise ValueError(f"grouped_matmul_glu needs x [M, in] and w [E, 2 I, in] of one dtype; got {x.shape} "
-                         f"{x.dtype}, {w.shape} {w.dtype}")
-    unit = x.shape[0] // tile_group.shape[0]
-    if x.shape[0] % tile_group.shape[0] or unit % 16:
-        raise ValueError(f"grouped_matmul_glu: {x.shape[0]} rows are not {tile_group.shape[0]} whole units of a "
-                         f"multiple of 16 rows")
-    n_in, half = w.shape[2], w.shape[1] // 2
-    t = (tiling or default_tiling(x.dtype)).fitted(n_in, 2 * half)
-    interpret = platform.interpret() if interpret is None else interpret
-    gate, up = (platform.pad_to_multiple(platform.pad_to_multiple(p, 2, t.glu_k), 1, t.glu_n)
-                for p in (w[:, :half], w[:, half:]))
-    span = _span(t, unit)
-    y = _glu(platform.pad_to_multiple(x, 1, t.glu_k), jnp.concatenate([gate, up], axis=1),
-             program_tiles(tile_group.astype(jnp.int32), w.shape[0], span), act, unit, span, t, interpret)
-    return y[:, :half]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _glu(x, w, tiles, act, unit, span, t, interpret):
-    return kern.rows_matmul(*vma.vary_to_union(x, w, tiles), transpose_w=True, block_rows=unit, span=span,
-                            block_n=t.glu_n, block_k=t.glu_k, group_rows=t.group_rows, num_warps=t.glu_warps,
-                            num_stages=t.glu_stages, interpret=interpret, glu=act)
-
-
-def _glu_fwd(x, w, tiles, act, unit, span, t, interpret):
-    return _glu(x, w, tiles, act, unit, span, t, interpret), None
-
-
-def _glu_bwd(act, unit, span, t, interpret, res, dy):
-    raise ValueError("grouped_matmul_glu (moe_impl 'pallas_inference') has no backward: train with moe_impl "
-                     "'pallas'")
-
-
-_glu.defvjp(_glu_fwd, _glu_bwd)
-
-
 def grouped_wgrad_sum(total, dys, xs, tile_groups, *, tiling: GroupedTiling | None = None,
                       interpret: bool | None = None):
     """total [E, out, in] fp32 + sum over parts i of the weight gradient of grouped_matmul(xs[i], w, tile_groups[i])
@@ -307,5 +254,4 @@ def grouped_wgrad_sum(total, dys, xs, tile_groups, *, tiling: GroupedTiling | No
                             num_stages=t.wgrad_stages, interpret=interpret, base=total)
 
 
-__all__ = ["GroupedTiling", "default_tiling", "group_tiles", "grouped_matmul", "grouped_matmul_glu", "grouped_wgrad_sum",
-           "program_tiles"]
+__all__ = ["GroupedTiling", "default_tiling", "group_tiles", "grouped_matmul", "grouped_wgrad_sum", "program_tiles"]

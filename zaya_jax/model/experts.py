@@ -3,8 +3,7 @@
 'ragged': tokens sorted by expert, two grouped GEMMs through lax.ragged_dot_general (contracting the stored
 [out, in] weights directly), unsorted by a gather. 'pallas': tokens gathered into a layout where every expert's rows
 fill whole row tiles, two grouped GEMM kernels (pallas_kernels.grouped_matmul; XLA lowers ragged_dot on GPU to a
-dense dot over all experts), gathered back. 'pallas_inference': the same with SwiGLU in the first kernel's epilogue
-(no [rows, 2I] product written and read back; forward only, for the inference programs). 'dense': every expert on every token, a one-hot select (the reference
+dense dot over all experts), gathered back. 'dense': every expert on every token, a one-hot select (the reference
 the tests pin the others against). 'decode' (a decode step's few tokens): at most E / 2 tokens gather their own
 expert's weights and apply them alone; up to DENSE_DECODE_TOKENS run 'dense', which reads each weight once in its
 stored layout and stays bound by those bytes rather than by its E-fold products (a GPU does a few hundred bf16
@@ -56,8 +55,8 @@ def expert_block(x, index, weight, w_gu, w_down, act, *, impl: str, tiling=None)
     skip = index >= E
     index = jnp.where(skip, E, index)
     weight = jnp.where(skip, 0.0, weight).astype(x.dtype)
-    if impl in ("pallas", "pallas_inference"):
-        out = _pallas(x, index, w_gu, w_down, act, tiling, fused=impl == "pallas_inference")
+    if impl == "pallas":
+        out = _pallas(x, index, w_gu, w_down, act, tiling)
     elif isinstance(w_gu, gmm.DeferredWgrad) or isinstance(w_down, gmm.DeferredWgrad):
         raise ValueError(f"deferred expert weight gradients need moe_impl 'pallas' (a tile layout), not {impl!r}")
     elif impl == "decode" and x.shape[0] <= E // 2:
@@ -67,8 +66,7 @@ def expert_block(x, index, weight, w_gu, w_down, act, *, impl: str, tiling=None)
     elif impl in ("ragged", "decode"):
         out = _ragged(x, index, w_gu, w_down, act)
     else:
-        raise ValueError(f"moe_impl {impl!r} unknown (use 'ragged', 'pallas', 'pallas_inference', 'dense' or "
-                         "'decode')")
+        raise ValueError(f"moe_impl {impl!r} unknown (use 'ragged', 'pallas', 'dense' or 'decode')")
     return jnp.where(skip[:, None], 0, out * weight[:, None])
 
 
@@ -93,14 +91,11 @@ def _per_token(x, index, w_gu, w_down, act):
     return compute_matmul("ni,ndi->nd", _swiglu(gu, act), w_down[index])
 
 
-def _pallas(x, index, w_gu, w_down, act, tiling, fused: bool):
+def _pallas(x, index, w_gu, w_down, act, tiling):
     layout = gmm.tile_layout(index, w_gu.shape[0], gmm.block_rows(x.dtype, tiling=tiling))
     xs = gmm.gather_rows(x, layout.src, layout.dst)  # padding rows are zeros
-    if fused:
-        h = gmm.grouped_matmul_glu(xs, w_gu, layout.tile_group, act, impl="pallas", tiling=tiling)
-    else:
-        h = _swiglu(gmm.grouped_matmul(xs, w_gu, layout.tile_group, impl="pallas", tiling=tiling), act)
-    out = gmm.grouped_matmul(h, w_down, layout.tile_group, impl="pallas", tiling=tiling)
+    gu = gmm.grouped_matmul(xs, w_gu, layout.tile_group, impl="pallas", tiling=tiling)
+    out = gmm.grouped_matmul(_swiglu(gu, act), w_down, layout.tile_group, impl="pallas", tiling=tiling)
     return gmm.gather_rows(out, layout.dst, layout.src)  # skip tokens read zeros
 
 

@@ -164,18 +164,6 @@ def grouped_matmul(x, w, tile_group, *, impl: str = "xla", tiling=None):
     raise ValueError(f"grouped_matmul: unknown impl {impl!r} (use 'xla' or 'pallas')")
 
 
-def grouped_matmul_glu(x, w, tile_group, act, *, impl: str = "xla", tiling=None):
-    """act(x @ gateᵀ) * (x @ upᵀ) per unit for w [E, 2 I, in] = [gate; up] (the experts' first GEMM and SwiGLU):
-    'pallas' in one forward-only kernel (inference), 'xla' the reference GEMM then the activation."""
-    if impl == "pallas":
-        from pallas_kernels import grouped_matmul as k
-        return k.grouped_matmul_glu(x, w, tile_group, act, tiling=tiling)
-    if impl != "xla":
-        raise ValueError(f"grouped_matmul_glu: unknown impl {impl!r} (use 'xla' or 'pallas')")
-    gate, up = jnp.split(grouped_matmul_reference(x, w, tile_group), 2, axis=-1)
-    return act(gate) * up
-
-
 def grouped_wgrad_sum(total, dys, xs, tile_groups, *, impl: str = "xla", tiling=None):
     """total [E, out, in] fp32 + the weight gradients of grouped_matmul(xs[i], w, tile_groups[i]) under dys[i], summed
     over i in fp32 ('pallas': one kernel adding them in place; 'xla': the per-tile jnp reference)."""
@@ -204,4 +192,4 @@ def block_rows(dtype, *, tiling=None) -> int:
 
 
 __all__ = ["DeferredWgrad", "TileLayout", "block_rows", "defer_wgrad", "gather_rows", "grouped_matmul",
-           "grouped_matmul_glu", "grouped_matmul_reference", "grouped_wgrad_sum", "padded_rows", "tile_layout"]
+           "grouped_matmul_reference", "grouped_wgrad_sum", "padded_rows", "tile_layout"]

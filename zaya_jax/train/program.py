@@ -27,7 +27,6 @@ from zaya_jax.parallel.data_parallel import sharded_value_and_grad
 from zaya_jax.parallel.mesh import describe_mesh, make_mesh
 from zaya_jax.parallel.sharding import (combine_threshold_options, describe_optimizer_memory, state_shardings, zero1,
                                          zero1_spec_fn, zero_axes)
-from zaya_jax.train.errors import TrainConfigError
 from zaya_jax.train.options import BatchRamp, RunOptions, run_options
 from zaya_jax.train.step_options import check_on_mesh, context_parallel, pallas_settings, step_options
 from zaya_jax.train.step import make_accumulating_train_step, make_local_loss_sums
@@ -52,9 +51,6 @@ class Plan:
 def make_plan(config: ConfigDict) -> Plan:
     opts = run_options(config)
     cfg = preset(config.model.preset, **dict(config.model.get("overrides", {})))
-    if cfg.moe_impl == "pallas_inference":
-        raise TrainConfigError("model.overrides.moe_impl='pallas_inference' is forward-only (SwiGLU fused into the "
-                               "grouped GEMM, no backward); train with moe_impl='pallas'")
     t, seq = opts.train, opts.data.seq_len
     accumulation = t.global_batch_tokens // t.microbatch_tokens
     return Plan(cfg, seq, t.microbatch_tokens // seq, accumulation, t.steps,
