@@ -140,7 +140,7 @@ def program_tiles(tile_group, num_groups: int, span: int):
     return jnp.stack([first, g, units]).astype(jnp.int32)
 
 
-def _span(t: GroupedTiling, unit: int) -> int:
+def units_per_tile(t: GroupedTiling, unit: int) -> int:
     """Units per program tile: program_rows / unit when that is whole, else 1 (a layout built on another unit)."""
     return t.program_rows // unit if t.program_rows % unit == 0 else 1
 
@@ -148,7 +148,7 @@ def _span(t: GroupedTiling, unit: int) -> int:
 # ----------------------------------------------------------------------------------------- the custom VJP
 def _rows(x, w, tile_group, t: GroupedTiling, interpret: bool, transpose_w: bool):
     unit = x.shape[0] // tile_group.shape[0]
-    span = _span(t, unit)
+    span = units_per_tile(t, unit)
     n, k, warps, stages = ((t.fwd_n, t.fwd_k, t.fwd_warps, t.fwd_stages) if transpose_w else
                            (t.dgrad_n, t.dgrad_k, t.dgrad_warps, t.dgrad_stages))
     return kern.rows_matmul(x, w, program_tiles(tile_group, w.shape[0], span), transpose_w=transpose_w,
@@ -254,4 +254,5 @@ def grouped_wgrad_sum(total, dys, xs, tile_groups, *, tiling: GroupedTiling | No
                             num_stages=t.wgrad_stages, interpret=interpret, base=total)
 
 
-__all__ = ["GroupedTiling", "default_tiling", "group_tiles", "grouped_matmul", "grouped_wgrad_sum", "program_tiles"]
+__all__ = ["GroupedTiling", "default_tiling", "group_tiles", "grouped_matmul", "grouped_wgrad_sum", "program_tiles",
+           "units_per_tile"]

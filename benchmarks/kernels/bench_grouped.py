@@ -18,7 +18,7 @@ import numpy as np
 from pallas_kernels import _grouped_kernels as kern
 from pallas_kernels import platform
 from benchmarks.kernels.bench import time_call
-from pallas_kernels.grouped_matmul import GroupedTiling, group_tiles, grouped_wgrad_sum, program_tiles
+from pallas_kernels.grouped_matmul import GroupedTiling, group_tiles, grouped_wgrad_sum, program_tiles, units_per_tile
 from zaya_jax.model.base import activation, compute_matmul
 from zaya_jax.model.experts import expert_block
 from zaya_jax.ops import grouped_matmul as gmm
@@ -140,7 +140,7 @@ def _kernel_inputs(p: MoEProblem, index: np.ndarray, t: GroupedTiling, d_in: int
     dy = gmm.gather_rows(jax.random.normal(k[1], (p.tokens, d_out), BF16), lay.src, lay.dst)
     w = (0.02 * jax.random.normal(k[2], (p.experts, d_out, d_in), jnp.float32)).astype(BF16)
     start, count = group_tiles(lay.tile_group, p.experts)
-    tiles = program_tiles(lay.tile_group, p.experts, t.program_rows // t.block_rows)
+    tiles = program_tiles(lay.tile_group, p.experts, units_per_tile(t, t.block_rows))
     return dict(x=x, dy=dy, w=w, tile_group=lay.tile_group, tiles=tiles, start=start, count=count)
 
 
@@ -149,12 +149,12 @@ def _kernel_fn(phase: str, t: GroupedTiling):
     if phase == "fwd":
         return jax.jit(lambda a: kern.rows_matmul(
             a["x"], a["w"], a["tiles"], transpose_w=True, block_rows=t.block_rows,
-            span=t.program_rows // t.block_rows, block_n=t.fwd_n, block_k=t.fwd_k,
+            span=units_per_tile(t, t.block_rows), block_n=t.fwd_n, block_k=t.fwd_k,
             group_rows=t.group_rows, num_warps=t.fwd_warps, num_stages=t.fwd_stages, interpret=interpret))
     if phase == "dgrad":
         return jax.jit(lambda a: kern.rows_matmul(
             a["dy"], a["w"], a["tiles"], transpose_w=False, block_rows=t.block_rows,
-            span=t.program_rows // t.block_rows, block_n=t.dgrad_n, block_k=t.dgrad_k,
+            span=units_per_tile(t, t.block_rows), block_n=t.dgrad_n, block_k=t.dgrad_k,
             group_rows=t.group_rows, num_warps=t.dgrad_warps, num_stages=t.dgrad_stages, interpret=interpret))
     return jax.jit(lambda a: kern.group_wgrad(
         [a["dy"]], [a["x"]], a["start"][None], a["count"][None], block_rows=t.block_rows, block_n=t.wgrad_n,
