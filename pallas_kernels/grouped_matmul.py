@@ -146,22 +146,13 @@ def units_per_tile(t: GroupedTiling, unit: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------- the custom VJP
-def _rows(x, w, tile_group, t: GroupedTiling, interpret: bool, transpose_w: bool):
+def _rows(x, w, tile_group, tiles, t: GroupedTiling, interpret: bool, transpose_w: bool):
     unit = x.shape[0] // tile_group.shape[0]
-    span = units_per_tile(t, unit)
     n, k, warps, stages = ((t.fwd_n, t.fwd_k, t.fwd_warps, t.fwd_stages) if transpose_w else
                            (t.dgrad_n, t.dgrad_k, t.dgrad_warps, t.dgrad_stages))
-    return kern.rows_matmul(x, w, program_tiles(tile_group, w.shape[0], span), transpose_w=transpose_w,
-                            block_rows=unit, span=span, block_n=n, block_k=k, group_rows=t.group_rows,
-                            num_warps=warps, num_stages=stages, interpret=interpret)
-
-
-def _forward(x, w, tile_group, t: GroupedTiling, interpret: bool):
-    return _rows(x, w, tile_group, t, interpret, transpose_w=True)
-
-
-def _dgrad(dy, w, tile_group, t: GroupedTiling, interpret: bool):
-    return _rows(dy, w, tile_group, t, interpret, transpose_w=False)
+    return kern.rows_matmul(x, w, tiles, transpose_w=transpose_w, block_rows=unit, span=units_per_tile(t, unit),
+                            block_n=n, block_k=k, group_rows=t.group_rows, num_warps=warps, num_stages=stages,
+                            interpret=interpret)
 
 
 def _wgrad(dy, x, tile_group, num_groups: int, t: GroupedTiling, interpret: bool):
@@ -173,21 +164,22 @@ def _wgrad(dy, x, tile_group, num_groups: int, t: GroupedTiling, interpret: bool
 
 # Inside shard_map (check_vma) a kernel's inputs must share one type: invariant ones (e.g. replicated weights)
 # are made varying like the tokens, and their gradients summed back over those axes in the backward.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _gmm(x, w, tile_group, tiling, interpret):
-    return _forward(*vma.vary_to_union(x, w, tile_group), tiling, interpret)
+# The program tiles (program_tiles) are built once per call and serve the forward and the data gradient.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _gmm(x, w, tile_group, tiles, tiling, interpret):
+    return _rows(*vma.vary_to_union(x, w, tile_group, tiles), tiling, interpret, transpose_w=True)
 
 
-def _gmm_fwd(x, w, tile_group, tiling, interpret):
-    return _gmm(x, w, tile_group, tiling, interpret), (x, w, tile_group)
+def _gmm_fwd(x, w, tile_group, tiles, tiling, interpret):
+    return _gmm(x, w, tile_group, tiles, tiling, interpret), (x, w, tile_group, tiles)
 
 
 def _gmm_bwd(tiling, interpret, res, dy):
-    x, w, tile_group = res
-    xv, wv, tgv, dy = vma.vary_to_union(x, w, tile_group, dy.astype(x.dtype))
-    dx = _dgrad(dy, wv, tgv, tiling, interpret)
+    x, w, tile_group, tiles = res
+    xv, wv, tgv, tv, dy = vma.vary_to_union(x, w, tile_group, tiles, dy.astype(x.dtype))
+    dx = _rows(dy, wv, tgv, tv, tiling, interpret, transpose_w=False)
     dw = _wgrad(dy, xv, tgv, w.shape[0], tiling, interpret)
-    return vma.sum_to_type_of(dx, x), vma.sum_to_type_of(dw, w), None
+    return vma.sum_to_type_of(dx, x), vma.sum_to_type_of(dw, w), None, None
 
 
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
@@ -219,7 +211,9 @@ def grouped_matmul(x, w, tile_group, *, tiling: GroupedTiling | None = None, int
     out_multiple = max(t.fwd_n, t.dgrad_k, t.wgrad_n)
     xp = platform.pad_to_multiple(x, 1, in_multiple)
     wp = platform.pad_to_multiple(platform.pad_to_multiple(w, 2, in_multiple), 1, out_multiple)
-    y = _gmm(xp, wp, tile_group.astype(jnp.int32), t, interpret)
+    tile_group = tile_group.astype(jnp.int32)
+    span = units_per_tile(t, x.shape[0] // tile_group.shape[0])
+    y = _gmm(xp, wp, tile_group, program_tiles(tile_group, w.shape[0], span), t, interpret)
     return y[:, :n_out]
 
 
