@@ -1,10 +1,13 @@
 """Time of one balancing solve (routing_stats.balancing_correction) on [8192, 16] scores, the bench preset's
 microbatch, at the library's constants: the XLA rounds (a sort each) against the Pallas rounds (one launch each,
 pallas_kernels/balancing_solve.py) at its defaults and at other token chunks and warp counts; same
-inputs, one process; per step = 16 microbatches x 8 layers. Medians of 7 repeats of 50 calls.
+inputs, one process; per step = 16 microbatches x 8 layers. Medians of 7 repeats of 50 calls. --baseline FILE times
+another version of the kernel module in the same run (e.g. `git show REV:pallas_kernels/balancing_solve.py > FILE`).
 
-python benchmarks/bench_routing_solve.py [--out FILE.json]"""
+python benchmarks/bench_routing_solve.py [--out FILE.json] [--baseline FILE]"""
 
+import contextlib
+import importlib.util
 import json
 import sys
 import time
@@ -19,14 +22,31 @@ from zaya_jax.model import routing_stats as rs
 N, E, CALLS_PER_STEP = 8192, 16, 16 * 8
 
 
-def time_solve(impl, chunk=None, warps=None):
+@contextlib.contextmanager
+def kernel_module(path):
+    """The solve traced with the kernel module at `path` in place of pallas_kernels.balancing_solve."""
+    if path is None:
+        yield
+        return
+    spec = importlib.util.spec_from_file_location("pallas_kernels.balancing_solve", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules["pallas_kernels.balancing_solve"] = module
+    try:
+        yield
+    finally:
+        sys.modules["pallas_kernels.balancing_solve"] = kernel
+
+
+def time_solve(impl, chunk=None, warps=None, module=None):
     kernel.CHUNK = chunk or default_chunk
     default_warps = kernel._warps
     if warps:
         kernel._warps = lambda n: warps
     x = jax.random.uniform(jax.random.key(0), (N, E)) * 1e-3
     f = jax.jit(lambda s: rs.balancing_correction(s, jnp.ones(N, bool), impl))
-    delta = f(x)
+    with kernel_module(module):
+        delta = f(x)
     kernel._warps = default_warps
     kernel.CHUNK = default_chunk
     ts = []
@@ -40,17 +60,21 @@ def time_solve(impl, chunk=None, warps=None):
 
 
 default_chunk = kernel.CHUNK
+baseline = sys.argv[sys.argv.index("--baseline") + 1] if "--baseline" in sys.argv else None
 rows, reference = [], None
-variants = [("pallas", None, None)] + [("pallas", chunk, warps) for chunk in (512, 2048) for warps in (4, 8, 16)]
-for impl, chunk, warps in [("xla", None, None)] + variants + [("xla", None, None)]:
+variants = [("pallas", None, None, None)] + [("pallas", chunk, warps, None) for chunk in (512, 2048)
+                                             for warps in (4, 8, 16)]
+if baseline:  # interleaved with this version's default
+    variants = [("pallas", None, None, baseline), ("pallas", None, None, None)] * 2 + variants[1:]
+for impl, chunk, warps, module in [("xla", None, None, None)] + variants + [("xla", None, None, None)]:
     try:
-        us, delta = time_solve(impl, chunk, warps)
+        us, delta = time_solve(impl, chunk, warps, module)
     except Exception as err:  # a variant Triton cannot compile (registers) is reported, not fatal
         rows.append(dict(impl=impl, chunk=chunk, warps=warps, error=str(err)[:300]))
         print(rows[-1], flush=True)
         continue
     reference = delta if reference is None else reference
-    rows.append(dict(impl=impl, chunk=chunk, warps=warps, rounds=rs.SOLVE_ROUNDS, tokens=rs.SOLVE_TOKENS,
+    rows.append(dict(impl=impl, chunk=chunk, warps=warps, module=module, rounds=rs.SOLVE_ROUNDS, tokens=rs.SOLVE_TOKENS,
                      us_per_solve=round(us, 1), ms_per_step=round(us * CALLS_PER_STEP / 1e3, 2),
                      max_abs_diff_vs_xla=float(np.abs(delta - reference).max())))
     print(rows[-1], flush=True)

@@ -2,12 +2,11 @@
 per round, one program per expert.
 
 The reference runs each round as a chain of small XLA kernels around a sort of every expert's margins, so a round
-costs several launches and a sort. Here one program per expert recomputes every token's best and second-best
-score (a few reads of the [E, N] block, shared by the experts through the cache), forms its own expert's margins and
-finds the k-th and (k+1)-th largest by a bitwise search over the margins' order-preserving int32 keys (32 counting
-passes from the top bit down), which picks exactly the elements the reference's sort picks. Pallas-Triton has no
-sort; a search over counts is all reductions, which it has. Deciding several bits per pass (counting at 2^b
-candidate prefixes at once) was slower on the H200 (docs/routing.md).
+costs several launches and a sort. Here one program per expert recomputes every token's best and second-best score (a
+few reads of the [E, N] block, shared by the experts through the cache), forms its own expert's margins and finds the
+k-th and (k+1)-th largest by a search over the margins' order-preserving int32 keys (_largest: a bisection guided by
+their values, all reductions, which Pallas-Triton has; it has no sort). It picks exactly the elements the reference's
+sort picks.
 
 The rounds' shared state (every expert's bias change, its momentum and the previous round's midpoints) is updated
 at the start of the next round's launch, identically in every program; program 0 writes it back. Padded experts
@@ -28,6 +27,8 @@ from pallas_kernels import vma
 F32 = jnp.float32
 I32 = jnp.int32
 INT_MIN = -(2 ** 31)
+INT_MAX = 2 ** 31 - 1
+VALUE_STEPS = 24
 CHUNK = 2048
 MAX_SCORES = 1 << 16  # the [E, N] block one program reads whole (16 x 2048 at the bench preset's solve)
 
@@ -42,28 +43,68 @@ def _value(key):
     return jax.lax.bitcast_convert_type(jnp.where(key < 0, key ^ 0x7FFFFFFF, key), F32)
 
 
+NEG_INF_KEY = -0x7F800001  # _key(-inf): the bits 0xFF800000 with the magnitude flipped
+
+
 def _count_at_or_above(chunks, threshold):
     """chunks: [n] int32 key blocks -> how many keys are >= threshold (the chunks' hits added first: one reduction,
     whose latency is what a pass of the search costs)."""
     return jnp.sum(sum((c >= threshold).astype(I32) for c in chunks))
 
 
+def _min_at_or_above(chunks, threshold):
+    return functools.reduce(jnp.minimum, [jnp.min(jnp.where(c >= threshold, c, INT_MAX)) for c in chunks])
+
+
+def _max_below(chunks, threshold):
+    return functools.reduce(jnp.maximum, [jnp.max(jnp.where(c < threshold, c, INT_MIN)) for c in chunks])
+
+
+def _split(lo, hi, step):
+    """A key strictly inside (lo, hi) (hi >= lo + 2): the keys' value midpoint, which halves the window's values and so,
+    on router margins, about halves the keys inside it; the key midpoint where that is not inside (adjacent or
+    subnormal values) or after VALUE_STEPS passes, so the search ends within VALUE_STEPS + 32 passes whatever the
+    data."""
+    middle = _key(0.5 * _value(lo) + 0.5 * _value(hi - 1))
+    halfway = jnp.right_shift(lo, 1) + jnp.right_shift(hi, 1) + (lo & hi & 1)  # floor((lo + hi) / 2), no overflow
+    return jnp.where((middle > lo) & (middle < hi) & (step < VALUE_STEPS), middle, halfway)
+
+
 def _largest(chunks, rank):
-    """chunks: [n] int32 key blocks, rank int32 >= 1 -> the rank-th largest key: the largest t with at least rank
-    keys >= t, one bit at a time from the top, as an unsigned prefix (the sign bit flipped keeps the order)."""
-    prefix = jnp.zeros((), I32)
-    for bit in range(31, -1, -1):
-        trial = prefix | jnp.left_shift(jnp.ones((), I32), bit)
-        prefix = jnp.where(_count_at_or_above(chunks, trial ^ INT_MIN) >= rank, trial, prefix)
-    return prefix ^ INT_MIN
+    """chunks: [n] int32 key blocks, rank int32 >= 1 -> (the rank-th largest key, how many keys are >= it).
+
+    A bisection over a window [lo, hi) that always starts and ends on keys present: lo the smallest key of the upper
+    part (at least rank keys >= lo), hi one past the largest key below it. Each pass counts the keys at or above a
+    split and moves lo up to the smallest key there or hi down to one past the largest key below it, until exactly
+    rank keys are >= lo or one distinct key is left: the same key a sort picks. Router margins take about 15 passes
+    to the 32 of a bitwise search (docs/routing.md). The -inf keys (invalid tokens) stay out of the window."""
+    finite = [jnp.where(c > NEG_INF_KEY, c, INT_MAX) for c in chunks]
+    num_finite = _count_at_or_above(chunks, NEG_INF_KEY + 1)
+    lo = functools.reduce(jnp.minimum, [jnp.min(c) for c in finite])
+    hi = _max_below(chunks, INT_MAX) + 1
+    searching = num_finite >= rank  # else the rank-th largest is -inf
+
+    def more(state):
+        lo, hi, at_lo, _ = state
+        return searching & (at_lo != rank) & (hi - 1 != lo)
+
+    def narrow(state):
+        lo, hi, at_lo, step = state
+        split = _split(lo, hi, step)
+        count = _count_at_or_above(chunks, split)
+        up = count >= rank
+        return (jnp.where(up, _min_at_or_above(chunks, split), lo), jnp.where(up, hi, _max_below(chunks, split) + 1),
+                jnp.where(up, count, at_lo), step + 1)
+
+    lo, _, at_lo, _ = jax.lax.while_loop(more, narrow, (lo, hi, num_finite, jnp.zeros((), I32)))
+    total = sum(c.size for c in chunks)
+    return jnp.where(searching, lo, NEG_INF_KEY), jnp.where(searching, at_lo, total)
 
 
 def _kth_and_next(chunks, k):
     """The k-th and (k+1)-th largest of the keys (k in [1, count - 1])."""
-    kth = _largest(chunks, k)
-    below = functools.reduce(jnp.maximum, [jnp.max(jnp.where(c < kth, c, INT_MIN)) for c in chunks])
-    ties = jnp.sum(sum((c >= kth).astype(I32) for c in chunks))
-    return kth, jnp.where(ties > k, kth, below)
+    kth, ties = _largest(chunks, k)
+    return kth, jnp.where(ties > k, kth, _max_below(chunks, kth))
 
 
 def _pick(vector, index):
@@ -95,7 +136,7 @@ def _median_kernel(scores_ref, valid_ref, median_ref):
         keys.append(_key(jnp.where(valid, scores_ref[pl.ds(e, 1), part][0], -jnp.inf)))
     # the ((count - 1) // 2)-th smallest valid score is the (count - (count - 1) // 2)-th largest
     rank = jnp.maximum(count - jax.lax.div(count - 1, 2), 1)
-    median_ref[...] = jnp.full((1,), _value(_largest(keys, rank)), F32)
+    median_ref[...] = jnp.full((1,), _value(_largest(keys, rank)[0]), F32)
 
 
 def _round_kernel(scores_ref, valid_ref, delta_ref, change_ref, middle_ref, delta_out, change_out, middle_out, *,

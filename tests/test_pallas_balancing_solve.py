@@ -109,3 +109,29 @@ def test_gpu_kernel_picks_the_reference_order_statistics(case):
         check_kernel_matches_reference(case, 16, 2048, case == "ties", np.random.default_rng(seed))
     except AssertionError as err:
         raise AssertionError(f"seed {seed}") from err
+
+
+def test_search_finds_the_sorted_key_on_hard_inputs():
+    """The kernels' order-statistic search (plain jnp, so it runs here as it does inside a program) against a sort,
+    on keys that defeat a value bisection: values from 1e-38 to 1e38 of both signs, subnormals, signed zeros, one
+    value repeated, two clusters far apart, -inf (invalid) keys; every rank, with the count of keys at or above it."""
+    from pallas_kernels.balancing_solve import _key, _largest
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    rng = np.random.default_rng(seed)
+    n = 257
+    cases = {
+        "wide": rng.choice([-1, 1], n) * 10.0 ** rng.uniform(-38, 38, n),
+        "subnormal": rng.normal(size=n) * 1e-42,
+        "zeros": rng.choice([0.0, -0.0, 1e-45, -1e-45], n),
+        "repeated": np.full(n, 0.1),
+        "clusters": np.where(rng.random(n) < 0.5, 1e6, -1e6) + rng.normal(size=n) * 1e-2,
+        "invalid": np.where(rng.random(n) < 0.7, -np.inf, rng.normal(size=n)),
+    }
+    search = jax.jit(lambda keys, rank: _largest([keys], rank))
+    for name, values in cases.items():
+        keys = _key(jnp.asarray(values, jnp.float32))
+        ranked = np.sort(np.asarray(keys))[::-1]
+        for rank in [1, 2, n // 3, n // 2, n - 1, n]:
+            found, at_or_above = search(keys, jnp.int32(rank))
+            assert int(found) == ranked[rank - 1], (name, rank, seed)
+            assert int(at_or_above) == int(np.sum(ranked >= ranked[rank - 1])), (name, rank, seed)

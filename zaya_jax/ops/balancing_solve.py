@@ -5,8 +5,8 @@ bias change to the midpoint of its k-th and (k+1)-th largest margin over each va
 (k = valid tokens // E, so that k tokens prefer it), damped, with heavy-ball momentum, the change kept zero-mean.
 
 'xla' is the jnp reference below (a sort per round); 'pallas' runs each round as one launch
-(pallas_kernels/balancing_solve.py: one program per expert, the order statistics by a bitwise search). Both pick the
-same order statistics, so they differ only by the rounding of the zero-mean shift.
+(pallas_kernels/balancing_solve.py: one program per expert, the order statistics by a search over counts). Both pick
+the same order statistics, so they differ only by the rounding of the zero-mean shift.
 """
 
 from __future__ import annotations
