@@ -1,10 +1,10 @@
 """Time of one balancing solve (routing_stats.balancing_correction) on [8192, 16] scores, the bench preset's
 microbatch, at the library's constants: the XLA rounds (a sort each) against the Pallas rounds (one launch each,
 pallas_kernels/balancing_solve.py) at its defaults and at other token chunks and warp counts; same
-inputs, one process; per step = 16 microbatches x 8 layers. Medians of 7 repeats of 50 calls. --baseline FILE times
-another version of the kernel module in the same run (e.g. `git show REV:pallas_kernels/balancing_solve.py > FILE`).
+inputs, one process; per step = 16 microbatches x 8 layers. Medians of 7 repeats of 50 calls. --baseline FILE (may
+repeat) times other versions of the kernel module in the same run (`git show REV:pallas_kernels/balancing_solve.py`).
 
-python benchmarks/bench_routing_solve.py [--out FILE.json] [--baseline FILE]"""
+python benchmarks/bench_routing_solve.py [--out FILE.json] [--baseline FILE ...]"""
 
 import contextlib
 import importlib.util
@@ -60,12 +60,12 @@ def time_solve(impl, chunk=None, warps=None, module=None):
 
 
 default_chunk = kernel.CHUNK
-baseline = sys.argv[sys.argv.index("--baseline") + 1] if "--baseline" in sys.argv else None
+baselines = [sys.argv[i + 1] for i, a in enumerate(sys.argv) if a == "--baseline"]
 rows, reference = [], None
-variants = [("pallas", None, None, None)] + [("pallas", chunk, warps, None) for chunk in (512, 2048)
-                                             for warps in (4, 8, 16)]
-if baseline:  # interleaved with this version's default
-    variants = [("pallas", None, None, baseline), ("pallas", None, None, None)] * 2 + variants[1:]
+variants = [("pallas", None, None, None)] + [("pallas", 2048, warps, None) for warps in (2, 4, 16)] + [
+    ("pallas", 512, 4, None)]
+if baselines:  # interleaved with this version's default
+    variants = [("pallas", None, None, b) for b in baselines + [None]] * 2 + variants[1:]
 for impl, chunk, warps, module in [("xla", None, None, None)] + variants + [("xla", None, None, None)]:
     try:
         us, delta = time_solve(impl, chunk, warps, module)

@@ -8,9 +8,10 @@ k-th and (k+1)-th largest by a search over the margins' order-preserving int32 k
 their values, all reductions, which Pallas-Triton has; it has no sort). It picks exactly the elements the reference's
 sort picks.
 
-The rounds' shared state (every expert's bias change, its momentum and the previous round's midpoints) is updated
-at the start of the next round's launch, identically in every program; program 0 writes it back. Padded experts
-(E is rounded up to a power of two) score -inf; padded tokens are invalid.
+The rounds' shared state (every expert's bias change, its momentum, the previous round's midpoints and k-th largest
+margins, from which the next search starts) is updated at the start of the next round's launch, identically in every
+program; program 0 writes it back. Padded experts (E is rounded up to a power of two) score -inf; padded tokens are
+invalid.
 """
 
 from __future__ import annotations
@@ -70,19 +71,28 @@ def _split(lo, hi, step):
     return jnp.where((middle > lo) & (middle < hi) & (step < VALUE_STEPS), middle, halfway)
 
 
-def _largest(chunks, rank):
+def _largest(chunks, rank, guess=None):
     """chunks: [n] int32 key blocks, rank int32 >= 1 -> (the rank-th largest key, how many keys are >= it).
 
     A bisection over a window [lo, hi) that always starts and ends on keys present: lo the smallest key of the upper
     part (at least rank keys >= lo), hi one past the largest key below it. Each pass counts the keys at or above a
     split and moves lo up to the smallest key there or hi down to one past the largest key below it, until exactly
-    rank keys are >= lo or one distinct key is left: the same key a sort picks. Router margins take about 15 passes
-    to the 32 of a bitwise search (docs/routing.md). The -inf keys (invalid tokens) stay out of the window."""
-    finite = [jnp.where(c > NEG_INF_KEY, c, INT_MAX) for c in chunks]
+    rank keys are >= lo or one distinct key is left: the same key a sort picks. The -inf keys (invalid tokens) stay
+    out of the window. guess: fp32 (low, high) values thought to hold the answer; the first pass checks them
+    (at least rank keys >= low, fewer > high) and starts from the keys between them if so, from all keys if not."""
     num_finite = _count_at_or_above(chunks, NEG_INF_KEY + 1)
-    lo = functools.reduce(jnp.minimum, [jnp.min(c) for c in finite])
+    lo = functools.reduce(jnp.minimum, [jnp.min(jnp.where(c > NEG_INF_KEY, c, INT_MAX)) for c in chunks])
     hi = _max_below(chunks, INT_MAX) + 1
+    at_lo = num_finite
     searching = num_finite >= rank  # else the rank-th largest is -inf
+    if guess is not None:
+        low = jnp.maximum(_key(guess[0]), NEG_INF_KEY + 1)
+        high = _key(guess[1]) + 1  # NaN guesses fail the check below
+        at_low = _count_at_or_above(chunks, low)
+        held = (at_low >= rank) & (_count_at_or_above(chunks, high) < rank)
+        lo = jnp.where(held, _min_at_or_above(chunks, low), lo)
+        hi = jnp.where(held, _max_below(chunks, high) + 1, hi)
+        at_lo = jnp.where(held, at_low, at_lo)
 
     def more(state):
         lo, hi, at_lo, _ = state
@@ -96,14 +106,14 @@ def _largest(chunks, rank):
         return (jnp.where(up, _min_at_or_above(chunks, split), lo), jnp.where(up, hi, _max_below(chunks, split) + 1),
                 jnp.where(up, count, at_lo), step + 1)
 
-    lo, _, at_lo, _ = jax.lax.while_loop(more, narrow, (lo, hi, num_finite, jnp.zeros((), I32)))
+    lo, _, at_lo, _ = jax.lax.while_loop(more, narrow, (lo, hi, at_lo, jnp.zeros((), I32)))
     total = sum(c.size for c in chunks)
     return jnp.where(searching, lo, NEG_INF_KEY), jnp.where(searching, at_lo, total)
 
 
-def _kth_and_next(chunks, k):
+def _kth_and_next(chunks, k, guess=None):
     """The k-th and (k+1)-th largest of the keys (k in [1, count - 1])."""
-    kth, ties = _largest(chunks, k)
+    kth, ties = _largest(chunks, k, guess)
     return kth, jnp.where(ties > k, kth, _max_below(chunks, kth))
 
 
@@ -139,11 +149,12 @@ def _median_kernel(scores_ref, valid_ref, median_ref):
     median_ref[...] = jnp.full((1,), _value(_largest(keys, rank)[0]), F32)
 
 
-def _round_kernel(scores_ref, valid_ref, delta_ref, change_ref, middle_ref, delta_out, change_out, middle_out, *,
-                  num_experts, num_tokens, damping, momentum):
+def _round_kernel(scores_ref, valid_ref, delta_ref, change_ref, middle_ref, kth_ref, delta_out, change_out, middle_out,
+                  kth_out, *, num_experts, num_tokens, damping, momentum):
     e = pl.program_id(0)
     padded = scores_ref.shape[0]
     rows = jnp.arange(padded)
+    real = rows < num_experts
     # the previous round's step, as the reference takes it after its sort
     delta, change = next_change(delta_ref[...], change_ref[...], middle_ref[...], num_experts, damping, momentum)
 
@@ -153,19 +164,29 @@ def _round_kernel(scores_ref, valid_ref, delta_ref, change_ref, middle_ref, delt
         change_out[...] = change
 
     mine = _pick(delta, e)
-    keys, count = [], 0
+    keys, count, largest = [], 0, 0.0
     for part in _chunks(scores_ref.shape[1]):
         valid = valid_ref[part] != 0
         count = count + jnp.sum(valid.astype(I32))
         s = scores_ref[:, part] + delta[:, None]
+        largest = jnp.maximum(largest, jnp.max(jnp.where(real[:, None] & valid[None, :], jnp.abs(s), 0.0)))
         first = jnp.max(s, axis=0)
         leader = jnp.min(jnp.where(s == first[None, :], rows[:, None], padded), axis=0)
         second = jnp.max(jnp.where(rows[:, None] == leader[None, :], -jnp.inf, s), axis=0)
         own = scores_ref[pl.ds(e, 1), part][0] + mine
         keys.append(_key(jnp.where(valid, own - jnp.where(leader == e, second, first), -jnp.inf)))
     k = jnp.clip(jax.lax.div(count, num_experts), 1, num_tokens - 1)
-    kth, next_ = _kth_and_next(keys, k)
+    # A token's margin for e is its score for e less its best other score, so this round's change moves every margin
+    # by change[e] less some other expert's change: the k-th largest moves by as much, give or take a few roundings
+    # of the scores' magnitude. Searching from there takes about half the passes (docs/routing.md).
+    previous = _pick(kth_ref[...], e)
+    most = jnp.max(jnp.where(real, change, -jnp.inf))
+    least = jnp.min(jnp.where(real, change, jnp.inf))
+    slack = largest * 2.0 ** -21
+    guess = (previous + (_pick(change, e) - most) - slack, previous + (_pick(change, e) - least) + slack)
+    kth, next_ = _kth_and_next(keys, k, guess)
     middle_out[...] = jnp.full((1,), 0.5 * (_value(kth) + _value(next_)), F32)
+    kth_out[...] = jnp.full((1,), _value(kth), F32)
 
 
 def _padded(scores, valid):
@@ -202,10 +223,12 @@ def solve(scores, valid, *, rounds: int, damping: float, momentum: float):
                                damping=float(damping), momentum=float(momentum))
     vector = vma.out_struct((pe,), F32, scores)
     whole = pl.BlockSpec((pe,), lambda e: (0,))
-    round_ = pl.pallas_call(kernel, grid=grid, out_specs=(whole, whole, one), out_shape=(vector, vector, vector),
-                            compiler_params=params, interpret=platform.interpret())
-    state = (start, jnp.zeros_like(start), jnp.zeros_like(start))
+    round_ = pl.pallas_call(kernel, grid=grid, out_specs=(whole, whole, one, one),
+                            out_shape=(vector, vector, vector, vector), compiler_params=params,
+                            interpret=platform.interpret())
+    # (delta, change, midpoints, each expert's k-th largest margin: none known before the first round)
+    state = (start, jnp.zeros_like(start), jnp.zeros_like(start), jnp.full_like(start, jnp.nan))
     for _ in range(int(rounds)):
         state = round_(scores, valid, *state)
-    delta, _ = next_change(*state, num_experts, damping, momentum)
+    delta, _ = next_change(*state[:3], num_experts, damping, momentum)
     return delta[:num_experts]
