@@ -24,18 +24,19 @@ from zaya_jax.model import routing_stats as rs
 E, N = 16, rs.SOLVE_TOKENS
 
 
-def no_search(chunks, k):  # one reduction in place of the search: the round's loads, margins and launch remain
+def no_search(chunks, k, guess=None):  # one reduction in place of the search: the round's loads, margins and launch remain
     top = functools.reduce(jnp.maximum, [jnp.max(c) for c in chunks])
     return top, top
 
 
-def empty_round(scores_ref, valid_ref, delta_ref, change_ref, middle_ref, delta_out, change_out, middle_out, *,
-                num_experts, num_tokens, damping, momentum):  # the state carried, nothing read: a launch's cost
+def empty_round(scores_ref, valid_ref, delta_ref, change_ref, middle_ref, kth_ref, delta_out, change_out, middle_out,
+                kth_out, *, num_experts, num_tokens, damping, momentum):  # the state carried, nothing read
     delta, change = kernel.next_change(delta_ref[...], change_ref[...], middle_ref[...], num_experts, damping,
                                        momentum)
     delta_out[...] = delta
     change_out[...] = change
     middle_out[...] = jnp.zeros((1,), jnp.float32)
+    kth_out[...] = jnp.zeros((1,), jnp.float32)
 
 
 def timed(rounds=rs.SOLVE_ROUNDS, **patch):

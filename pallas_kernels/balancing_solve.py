@@ -178,7 +178,7 @@ def _round_kernel(scores_ref, valid_ref, delta_ref, change_ref, middle_ref, kth_
     k = jnp.clip(jax.lax.div(count, num_experts), 1, num_tokens - 1)
     # A token's margin for e is its score for e less its best other score, so this round's change moves every margin
     # by change[e] less some other expert's change: the k-th largest moves by as much, give or take a few roundings
-    # of the scores' magnitude. Searching from there takes about half the passes (docs/routing.md).
+    # of the scores' magnitude. From that window the search takes a few passes instead of ~15 (docs/routing.md).
     previous = _pick(kth_ref[...], e)
     most = jnp.max(jnp.where(real, change, -jnp.inf))
     least = jnp.min(jnp.where(real, change, jnp.inf))
