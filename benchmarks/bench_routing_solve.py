@@ -4,18 +4,18 @@ pallas_kernels/balancing_solve.py) at its defaults and at other token chunks and
 inputs, one process; per step = 16 microbatches x 8 layers. Medians of 7 repeats of 50 calls. --baseline FILE (may
 repeat) times other versions of the kernel module in the same run (`git show REV:pallas_kernels/balancing_solve.py`).
 
-python benchmarks/bench_routing_solve.py [--out FILE.json] [--baseline FILE ...]"""
+python -m benchmarks.bench_routing_solve [--out FILE.json] [--baseline FILE ...]"""
 
 import contextlib
 import importlib.util
 import json
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.systems.timing import seconds_per_call
 from pallas_kernels import balancing_solve as kernel
 from zaya_jax.model import routing_stats as rs
 
@@ -49,14 +49,7 @@ def time_solve(impl, chunk=None, warps=None, module=None):
         delta = f(x)
     kernel._warps = default_warps
     kernel.CHUNK = default_chunk
-    ts = []
-    for _ in range(7):
-        t = time.perf_counter()
-        for _ in range(50):
-            r = f(x)
-        r.block_until_ready()
-        ts.append((time.perf_counter() - t) / 50)
-    return float(np.median(ts) * 1e6), np.asarray(delta)
+    return seconds_per_call(f, x, reps=7, calls=50, warmup=0) * 1e6, np.asarray(delta)
 
 
 default_chunk = kernel.CHUNK

@@ -11,13 +11,13 @@ import functools
 import json
 import sys
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.systems import profile_trace
+from benchmarks.systems.timing import seconds_per_call
 from pallas_kernels import balancing_solve as kernel
 from zaya_jax.model import routing_stats as rs
 
@@ -51,14 +51,7 @@ def timed(rounds=rs.SOLVE_ROUNDS, **patch):
     finally:
         for name, value in saved.items():
             setattr(kernel, name, value)
-    times = []
-    for _ in range(7):
-        start = time.perf_counter()
-        for _ in range(50):
-            out = f(scores)
-        out.block_until_ready()
-        times.append((time.perf_counter() - start) / 50)
-    return f, scores, float(np.median(times) * 1e6)
+    return f, scores, seconds_per_call(f, scores, reps=7, calls=50, warmup=0) * 1e6
 
 
 def trace(f, scores):
