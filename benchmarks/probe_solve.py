@@ -24,7 +24,7 @@ from zaya_jax.model import routing_stats as rs
 E, N = 16, rs.SOLVE_TOKENS
 
 
-def no_search(chunks, k, guess=None):  # one reduction in place of the search: the round's loads, margins and launch remain
+def no_search(chunks, k, guess=None):  # one reduction for the search: the loads, margins and launch remain
     top = functools.reduce(jnp.maximum, [jnp.max(c) for c in chunks])
     return top, top
 
