@@ -77,8 +77,22 @@ def _root_cause(e: BaseException) -> BaseException:
     return e
 
 
+def _unknown_field(field: str, argv) -> str | None:
+    """The message for a --config.PATH override through a key the config does not have (ml_collections raises a
+    bare KeyError naming the key), or None if no override's path holds that key."""
+    for arg in argv:
+        keys = arg.split("=", 1)[0].removeprefix("--").split(".")
+        if keys[0] == "config" and field in keys[1:]:
+            path = ".".join(keys[1:keys.index(field, 1) + 1])
+            hint = (" (model fields go under --config.model.overrides.FIELD)"
+                    if keys[1] == "model" and path != "model.overrides" and not path.startswith("model.overrides.")
+                    else "")
+            return f"{arg}: the config has no field {path!r}{hint}"
+    return None
+
+
 @contextlib.contextmanager
-def flag_errors(name: str):
+def flag_errors(name: str, argv=None):
     """Anything raised while the command line is read is the command line's fault: one line. ml_collections reads
     --config.x overrides already when the config flag is defined, and loads the config file lazily."""
     try:
@@ -93,6 +107,8 @@ def flag_errors(name: str):
             message = e
             while isinstance(message, BaseException) and len(message.args) == 1:  # KeyError('...') in AttributeError
                 message = message.args[0]
+            if isinstance(root, KeyError) and isinstance(root.args[0], str):
+                message = _unknown_field(root.args[0].strip("'"), sys.argv if argv is None else argv) or message
         fail(name, f"bad command line: {one_line(message)}")
 
 
@@ -101,7 +117,7 @@ def run_absl(name: str, main, argv=None):
     from absl import app, flags
 
     def parse(argv):
-        with flag_errors(name):
+        with flag_errors(name, argv):
             rest = flags.FLAGS(argv)
             if "config" in flags.FLAGS:
                 getattr(flags.FLAGS["config"].value, "keys", None)  # raises here if the config file did not load

@@ -90,7 +90,8 @@ def test_ctrl_c_ends_a_command_in_one_line(capsys):
 
 @pytest.mark.parametrize("argv,words", [
     (["--config", "configs/nope.py"], ["launch.train", "nope.py"]),
-    (["--config.train.stepz=3"], ["launch.train", "stepz"]),
+    (["--config.train.stepz=3"], ["launch.train", "--config.train.stepz=3: the config has no field 'train.stepz'"]),
+    (["--config.model.num_experts=4"], ["no field 'model.num_experts'", "--config.model.overrides.FIELD"]),
     (["--config.train.steps=0", "--workdir", "{tmp}"], ["launch.train", "train.steps=0"]),
     (["--config.mesh.context=3", "--workdir", "{tmp}"], ["launch.train", "context=3 must divide"])])
 def test_train_reports_a_missing_config_a_bad_flag_and_a_bad_value_in_one_line(argv, words, tmp_path):
