@@ -125,3 +125,21 @@ def test_reserved_pinned_memory_holds_the_state_on_gpu(tmp_path):
     mngr.close()
     restored = CheckpointManager(str(tmp_path)).restore(abstract_like(state))
     np.testing.assert_array_equal(restored.state["w"], state["w"])
+
+
+def test_close_waits_for_the_start_up_clean_up_of_unfinished_saves(tmp_path, monkeypatch):
+    """Orbax starts removing unfinished tmp folders in a thread when a manager is made, and its own close() does not
+    wait for it: a command failing before its first save then exited with that thread still running, which printed
+    a traceback at interpreter exit. Here the clean-up is slowed down; close() must return after it ended."""
+    import asyncio
+    from orbax.checkpoint._src.path import temporary_paths
+    ended = []
+
+    async def slow_clean_up(directory, **kwargs):
+        await asyncio.sleep(0.5)
+        ended.append(directory)
+
+    monkeypatch.setattr(temporary_paths, "cleanup_temporary_paths", slow_clean_up)
+    mngr = CheckpointManager(str(tmp_path / "checkpoints"))
+    mngr.close()
+    assert len(ended) == 1

@@ -81,6 +81,10 @@ class CheckpointManager:
 
     def close(self):
         self._mngr.wait_until_finished()
+        # Orbax's close() does not wait for the clean-up of unfinished tmp folders that its constructor started in a
+        # thread (only a save does): a command that fails before its first save would leave it running into the
+        # interpreter's exit, where it fails with a traceback ("cannot schedule new futures after shutdown")
+        getattr(self._mngr, "_maybe_await_cleanup_tmp_directory", lambda: None)()
         self._mngr.close()
 
     # ---- restore ------------------------------------------------------------------------------------------------
