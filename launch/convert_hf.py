@@ -22,7 +22,7 @@ from zaya_jax.checkpoint.manager import CheckpointError
 from zaya_jax.config import COMPUTE_DTYPES, PRESETS, preset
 from zaya_jax.param_count import abstract_param_counts, format_param_counts
 
-from launch._cli import ArgumentParser, user_errors
+from launch._cli import ArgumentParser, quiet_checkpoint_reads, user_errors
 
 
 def _message(e: Exception) -> str:
@@ -59,6 +59,7 @@ def main(argv=None):
             ap.error("give HF_DIR (with --check and/or --roundtrip) or --count PRESET")
         return
     if args.export:
+        quiet_checkpoint_reads()
         try:
             out = export_run(args.hf_dir, args.export, step=args.step, tokenizer=args.tokenizer,
                              dtype=args.save_dtype, max_shard_bytes=args.max_shard_bytes, overwrite=args.overwrite)
