@@ -66,6 +66,12 @@ def test_contradictions_and_typos_are_one_line():
         parse("--config.data.sources.web=W", "--config.data.weights.web=heavy")
 
 
+def test_the_builtin_corpus_switched_on_over_a_config_for_named_sources_mixes_its_sources_equally():
+    c = parse("--config.data.builtin=True", config="zaya1_base")
+    assert c.data.builtin and dict(c.data.weights) == {"web": 1.0, "code": 1.0}
+    make_plan(c)
+
+
 def test_dict_form_turns_the_builtin_corpus_off():
     c = parse("--config.data.sources={'web': '/data/web'}")
     assert c.data.builtin is False and dict(c.data.sources) == {"web": "/data/web"}

@@ -138,6 +138,11 @@ def resolve(config: ConfigDict, open_flags: OpenFlags | None = None) -> ConfigDi
         # the file's weights were the built-in corpus's (or none): the named sources are mixed equally
         with config.data.unlocked():
             config.data.weights = ConfigDict({name: 1.0 for name in config.data.sources})
+    if config.data.builtin and not config.data.weights:
+        # the built-in corpus switched on over a config without weights (one made for named sources): mixed equally
+        from zaya_jax.data.corpus import SOURCES
+        with config.data.unlocked():
+            config.data.weights = ConfigDict({name: 1.0 for name in SOURCES})
     if config.data.builtin and (given["data.valid_sources"] or config.data.valid_sources):
         raise TrainConfigError("data.valid_sources needs data.sources: the built-in corpus has its own held-out "
                                "split")
