@@ -85,9 +85,10 @@ def kernel_tables(run, dump: str, units: int, unit: str, top: int) -> dict:
     sources = module_sources(dump)
     per_op, per_source = collections.defaultdict(lambda: [0.0, 0]), collections.defaultdict(lambda: [0.0, 0])
     for e in ops:
-        # kernels replayed from a command buffer (CUDA graph) carry the buffer's op name: name them by kernel
+        # kernels replayed from a command buffer (CUDA graph) carry the buffer's op name: name them by kernel, which
+        # for XLA's fusions is also their instruction's name in the optimized module
         key = e.name if not e.hlo_op or e.hlo_op.startswith("command_buffer") else e.hlo_op
-        source = sources.get(e.program_id, {}).get(e.hlo_op, "(no project frame)")
+        source = sources.get(e.program_id, {}).get(key, "(no project frame)")
         for table, k in ((per_op, key), (per_source, source)):
             table[k][0] += e.duration_ns
             table[k][1] += 1
