@@ -107,7 +107,7 @@ def flag_errors(name: str, argv=None):
             message = e
             while isinstance(message, BaseException) and len(message.args) == 1:  # KeyError('...') in AttributeError
                 message = message.args[0]
-            if isinstance(root, KeyError) and isinstance(root.args[0], str):
+            if isinstance(root, KeyError) and root.args and isinstance(root.args[0], str):
                 message = _unknown_field(root.args[0].strip("'"), sys.argv if argv is None else argv) or message
         fail(name, f"bad command line: {one_line(message)}")
 
