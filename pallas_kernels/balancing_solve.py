@@ -81,7 +81,7 @@ def _largest(chunks, rank, guess=None):
     out of the window. guess: fp32 (low, high) values thought to hold the answer; the first pass checks them
     (at least rank keys >= low, fewer > high) and starts from the keys between them if so, from all keys if not."""
     num_finite = _count_at_or_above(chunks, NEG_INF_KEY + 1)
-    lo = functools.reduce(jnp.minimum, [jnp.min(jnp.where(c > NEG_INF_KEY, c, INT_MAX)) for c in chunks])
+    lo = _min_at_or_above(chunks, NEG_INF_KEY + 1)
     hi = _max_below(chunks, INT_MAX) + 1
     at_lo = num_finite
     searching = num_finite >= rank  # else the rank-th largest is -inf
@@ -183,7 +183,8 @@ def _round_kernel(scores_ref, valid_ref, delta_ref, change_ref, middle_ref, kth_
     most = jnp.max(jnp.where(real, change, -jnp.inf))
     least = jnp.min(jnp.where(real, change, jnp.inf))
     slack = largest * 2.0 ** -21
-    guess = (previous + (_pick(change, e) - most) - slack, previous + (_pick(change, e) - least) + slack)
+    own_change = _pick(change, e)
+    guess = (previous + (own_change - most) - slack, previous + (own_change - least) + slack)
     kth, next_ = _kth_and_next(keys, k, guess)
     middle_out[...] = jnp.full((1,), 0.5 * (_value(kth) + _value(next_)), F32)
     kth_out[...] = jnp.full((1,), _value(kth), F32)
