@@ -3,9 +3,7 @@ last C tokens, as lm-eval scores continuations) under jax.profiler, its kernels 
 per call, against the median wall time of the call.
 
 python -m benchmarks.profile_scoring [--preset zaya1_8b] [--batch 32] [--length 1024] [--continuation 32]
-                                     [--kernels auto|xla] [--moe-impl fused|pallas] [--out FILE.json]
-
---moe-impl replaces the experts' implementation that --kernels chose (an A/B of the fused experts' forward)."""
+                                     [--kernels auto|xla] [--out FILE.json]"""
 
 from __future__ import annotations
 
@@ -15,7 +13,6 @@ import numpy as np
 
 from benchmarks.bench_inference import init_model
 from benchmarks.profile_decode import dump_optimized_hlo, parse_args, profile
-from zaya_jax.inference.kernels import with_config, with_kernels
 from zaya_jax.inference.scoring import Scorer
 
 
@@ -24,18 +21,16 @@ def main():
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--length", type=int, default=1024)
     ap.add_argument("--continuation", type=int, default=32)
-    ap.add_argument("--moe-impl", choices=["fused", "pallas"], default=None)
     args = parse_args(ap)
     dump = dump_optimized_hlo()
-    model = with_kernels(init_model(args.preset), args.kernels, "scoring")
-    if args.moe_impl:
-        model = with_config(model, model.cfg.replace(moe_impl=args.moe_impl))
-    scorer = Scorer(model, max_length=args.length, batch_size=args.batch, buckets=(args.length,))
+    model = init_model(args.preset)
+    scorer = Scorer(model, max_length=args.length, batch_size=args.batch, buckets=(args.length,),
+                    kernels=args.kernels)
     tokens = np.random.default_rng(0).integers(3, model.cfg.vocab_size, (args.batch, args.length + 1)).tolist()
     c = args.continuation
     requests = [(t[:-c], t[-c:]) for t in tokens]
     profile(args, dump, lambda: scorer.loglikelihood(requests), 1, "call", batch=args.batch, length=args.length,
-            continuation=c, moe_impl=model.cfg.moe_impl)
+            continuation=c)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The GPU kernel choice of the inference programs (zaya_jax/inference/kernels.py), forced on the CPU (Pallas in
 interpret mode), gives what the XLA implementations give: Scorer log-probabilities, the Decoder's prefill logits
 over left-padded prompts, its one-token steps over the cache and greedy generation. Each program's traced graph is
-checked to contain the Pallas kernel of every impl the choice sets to 'pallas' (or 'fused') and no other, so a kernel that cannot
+checked to contain the Pallas kernel of every impl the choice sets to 'pallas' and no other, so a kernel that cannot
 take the program's shapes (cache slot positions, kv_valid) or a choice that does not reach the model fails here."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ CFG = tiny(dtype="float32", vocab_size=128, hidden_size=48, num_hidden_layers=2,
            cca_time0=3, cca_time1=1, attention_bias=True, layer_types=("hybrid", "hybrid_sliding"), sliding_window=9,
            rope={"hybrid": RopeConfig(5e4, 0.5), "hybrid_sliding": RopeConfig(1e3, 0.5)})
 # a name fragment of each impl's Pallas kernels (pallas_kernels/*)
-KERNEL_NAMES = {"attention_impl": "attention", "moe_impl": "expert_up_swiglu", "norm_impl": "rms_norm",
+KERNEL_NAMES = {"attention_impl": "attention", "moe_impl": "grouped_matmul", "norm_impl": "rms_norm",
                 "conv_impl": "qk_mix"}
 
 
@@ -56,8 +56,7 @@ def assert_runs_chosen_kernels(fn, program, *args):
     names = pallas_kernels(fn, *args)
     for field, impl in inference_kernels("gpu", program).items():
         found = [n for n in names if KERNEL_NAMES[field] in n]
-        assert bool(found) == (impl in ("pallas", "fused")), (
-            f"{program}: {field}={impl!r} but Pallas kernels {sorted(names)}")
+        assert bool(found) == (impl == "pallas"), f"{program}: {field}={impl!r} but Pallas kernels {sorted(names)}"
 
 
 def test_choice_per_platform_and_program(model):
@@ -76,7 +75,7 @@ def test_choice_per_platform_and_program(model):
     with pytest.raises(ValueError):
         inference_kernels("gpu", "training")
     fast = with_kernels(model, "gpu", "scoring")
-    assert fast.model.layers.mlp.experts.cfg.moe_impl == "fused"
+    assert fast.model.layers.mlp.experts.cfg.moe_impl == "pallas"
     assert fast.model.layers.self_attn.cfg.attention_impl == "pallas"
     assert model.cfg.moe_impl == "ragged" and model.model.layers.mlp.experts.cfg.moe_impl == "ragged"
     assert fast.model.embed_tokens.weight.get_value() is model.model.embed_tokens.weight.get_value()  # shared

@@ -143,13 +143,6 @@ def test_a_one_layer_model_is_refused_before_a_model_is_built(tmp_path, no_model
         loop.run(c, str(tmp_path), log=lambda *_: None)
 
 
-def test_the_fused_experts_without_a_gradient_are_refused_for_training(tmp_path, no_model_built):
-    c = get_config()
-    c.model.overrides.moe_impl = "fused"
-    with pytest.raises(TrainConfigError, match=r"^model moe_impl='fused' computes no gradient"):
-        loop.run(c, str(tmp_path), log=lambda *_: None)
-
-
 def test_deferred_expert_gradients_are_resolved_in_one_place():
     c = get_config()
     c.train.update(dict(global_batch_tokens=4 * 128 * 16))  # 4 microbatches

@@ -17,7 +17,7 @@ _LAYER_TYPES = ("hybrid", "hybrid_sliding")
 # the kernel choices of each *_impl field and of remat
 IMPLS = {"attention_impl": ("xla", "pallas", "cudnn"), "norm_impl": ("xla", "pallas"), "ce_impl": ("xla", "pallas"),
          "conv_impl": ("xla", "pallas"), "solve_impl": ("xla", "pallas"),
-         "moe_impl": ("ragged", "pallas", "fused", "dense", "decode"), "remat": ("none", "full", "save_dots", "save_attention")}
+         "moe_impl": ("ragged", "pallas", "dense", "decode"), "remat": ("none", "full", "save_dots", "save_attention")}
 
 
 class ConfigError(ValueError):
@@ -74,8 +74,7 @@ class ModelConfig:
     ce_impl: str = "xla"  # 'xla' | 'pallas': softmax cross-entropy of the chunked head loss (ops/cross_entropy.py)
     conv_impl: str = "xla"  # 'xla' | 'pallas': CCA's q/k mixing, both convolutions + mean residuals (ops/cca_conv.py)
     moe_impl: str = "ragged"  # 'ragged' (sort + lax.ragged_dot) | 'pallas' (tile-padded grouped GEMM kernels)
-    #   | 'fused' ('pallas' with its row passes in the kernels, no gradient) | 'dense' (reference: every expert on every
-    #   token) | 'decode' (few tokens, experts.py)
+    #                           | 'dense' (reference: every expert on every token) | 'decode' (few tokens, experts.py)
     solve_impl: str = "xla"  # 'xla' | 'pallas': the train step's balancing solve (ops/balancing_solve.py)
     remat: str = "full"  # 'none' | 'full' | 'save_dots' | 'save_attention'  (activation checkpoint policy)
     scan_layers: bool = True

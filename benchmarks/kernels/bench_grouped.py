@@ -101,10 +101,7 @@ def dense_fns(routed: int):
 
 
 def time_block(fwd, fwd_bwd, arrays, routed: int, p: MoEProblem) -> dict:
-    """fwd_bwd None: the forward alone (moe_impl 'fused' has no gradient)."""
     t_f = time_call(fwd, arrays)
-    if fwd_bwd is None:
-        return dict(fwd_ms=t_f * 1e3, fwd_tflops=block_flops(routed, p, False) / t_f / 1e12)
     t_fb = time_call(fwd_bwd, arrays, calls=5)
     return dict(fwd_ms=t_f * 1e3, fwdbwd_ms=t_fb * 1e3, fwd_tflops=block_flops(routed, p, False) / t_f / 1e12,
                 fwdbwd_tflops=block_flops(routed, p, True) / t_fb / 1e12)

@@ -9,8 +9,7 @@ kernels (the `kernels=` option of Scorer, Decoder, ZayaLM and the launch scripts
   None     the model's own config, unchanged.
   'xla'    the ModelConfig defaults: XLA attention ([B, H, T, S] scores), lax.ragged_dot experts, XLA norms/convs.
   'gpu'    the Pallas (Triton) kernels training runs on GPU (attention, grouped-GEMM experts, norms, CCA convs) for
-           scoring and prefill, whose token counts are the training step's; their experts run moe_impl 'fused'
-           (the grouped GEMMs with the row gathers, SwiGLU and routing weight inside, as nothing is differentiated). Decode keeps XLA's attention (the flash
+           scoring and prefill, whose token counts are the training step's. Decode keeps XLA's attention (the flash
            kernel would pad one query per row to a 16-row tile) but takes the norm and CCA convolution kernels: a
            single-token step is a chain of small kernels, and each of those is one launch where XLA emits two to
            four (a reduction, then the normalisation; the halo concatenation, the grouped GEMM, the residual add).
@@ -34,7 +33,7 @@ KERNELS = ("auto", "xla", "gpu")
 PROGRAMS = ("scoring", "prefill", "decode")
 
 XLA = dict(attention_impl="xla", moe_impl="ragged", norm_impl="xla", conv_impl="xla")
-GPU = dict(attention_impl="pallas", moe_impl="fused", norm_impl="pallas", conv_impl="pallas")
+GPU = dict(attention_impl="pallas", moe_impl="pallas", norm_impl="pallas", conv_impl="pallas")
 
 
 def inference_kernels(platform: str, program: str = "scoring") -> dict:

@@ -3,9 +3,7 @@
 'ragged': tokens sorted by expert, two grouped GEMMs through lax.ragged_dot_general (contracting the stored
 [out, in] weights directly), unsorted by a gather. 'pallas': tokens gathered into a layout where every expert's rows
 fill whole row tiles, two grouped GEMM kernels (pallas_kernels.grouped_matmul; XLA lowers ragged_dot on GPU to a
-dense dot over all experts), gathered back. 'fused' (no gradient: scoring and prefill): the same layout and GEMMs with
-the row gathers, the SwiGLU and the routing weight inside the kernels (pallas_kernels.expert_forward); widths that
-are not whole tiles run 'pallas'. 'dense': every expert on every token, a one-hot select (the reference
+dense dot over all experts), gathered back. 'dense': every expert on every token, a one-hot select (the reference
 the tests pin the others against). 'decode' (a decode step's few tokens): at most E / 2 tokens gather their own
 expert's weights and apply them alone; up to DENSE_DECODE_TOKENS run 'dense', which reads each weight once in its
 stored layout and stays bound by those bytes rather than by its E-fold products (a GPU does a few hundred bf16
@@ -57,12 +55,7 @@ def expert_block(x, index, weight, w_gu, w_down, act, *, impl: str, tiling=None)
     skip = index >= E
     index = jnp.where(skip, E, index)
     weight = jnp.where(skip, 0.0, weight).astype(x.dtype)
-    if impl == "fused":
-        from pallas_kernels import expert_forward as fused
-        if fused.supported(x.shape[1], w_down.shape[2], x.dtype, tiling):
-            layout = gmm.tile_layout(index, E, gmm.block_rows(x.dtype, tiling=tiling))
-            return fused.expert_forward(x, layout.src, layout.tile_group, weight, w_gu, w_down, act=act, tiling=tiling)
-    if impl in ("pallas", "fused"):
+    if impl == "pallas":
         out = _pallas(x, index, w_gu, w_down, act, tiling)
     elif isinstance(w_gu, gmm.DeferredWgrad) or isinstance(w_down, gmm.DeferredWgrad):
         raise ValueError(f"deferred expert weight gradients need moe_impl 'pallas' (a tile layout), not {impl!r}")
@@ -73,7 +66,7 @@ def expert_block(x, index, weight, w_gu, w_down, act, *, impl: str, tiling=None)
     elif impl in ("ragged", "decode"):
         out = _ragged(x, index, w_gu, w_down, act)
     else:
-        raise ValueError(f"moe_impl {impl!r} unknown (use 'ragged', 'pallas', 'fused', 'dense' or 'decode')")
+        raise ValueError(f"moe_impl {impl!r} unknown (use 'ragged', 'pallas', 'dense' or 'decode')")
     return jnp.where(skip[:, None], 0, out * weight[:, None])
 
 

@@ -32,9 +32,6 @@ def check_on_mesh(opts: RunOptions, model: ModelConfig, mesh, micro_rows: int) -
         raise TrainConfigError(f"{', '.join(pallas)}: on the CPU the Pallas kernels run in interpret mode, which "
                                f"cannot run on {mesh.devices.size} devices; set them to 'xla' "
                                "(moe_impl: 'ragged') there, or train on one device")
-    if model.moe_impl == "fused":
-        raise TrainConfigError("model moe_impl='fused' computes no gradient (scoring and prefill use it); train "
-                               "with moe_impl='pallas' (the same kernels with a backward) or 'ragged'")
     if model.attention_impl == "cudnn" and mesh.devices.size > 1:
         # cuDNN's custom call needs one mesh for the whole program, but the per-device gradients run on the
         # hierarchical (node, data_local) view of it: JAX refuses the mix at lowering
