@@ -83,12 +83,21 @@ def kernel_tables(run, dump: str, units: int, unit: str, top: int) -> dict:
         run()
     ops, _, lines = profile_trace.load(logdir)
     sources = module_sources(dump)
+    # an event whose program is not among the dumped modules (or whose name its module lacks) is looked up in all
+    # of them, the largest module's names taking precedence
+    anywhere = {}
+    for names in sorted(sources.values(), key=len):
+        anywhere.update(names)
     per_op, per_source = collections.defaultdict(lambda: [0.0, 0]), collections.defaultdict(lambda: [0.0, 0])
+    unmatched = collections.Counter()
     for e in ops:
         # kernels replayed from a command buffer (CUDA graph) carry the buffer's op name: name them by kernel, which
-        # for XLA's fusions is also their instruction's name in the optimized module
+        # for XLA's fusions is their instruction's name with '.' and '-' made '_'
         key = e.name if not e.hlo_op or e.hlo_op.startswith("command_buffer") else e.hlo_op
-        source = sources.get(e.program_id, {}).get(key, "(no project frame)")
+        source = sources.get(e.program_id, {}).get(kernel_name(key)) or anywhere.get(kernel_name(key))
+        if source is None:
+            unmatched[key] += e.duration_ns
+            source = "(no project frame)"
         for table, k in ((per_op, key), (per_source, source)):
             table[k][0] += e.duration_ns
             table[k][1] += 1
@@ -99,14 +108,26 @@ def kernel_tables(run, dump: str, units: int, unit: str, top: int) -> dict:
 
     return {f"kernel_ms_per_{unit}": sum(v[0] for v in per_op.values()) / 1e6 / units,
             f"kernels_per_{unit}": len(ops) / units, "lines": lines, "top_ops": rows(per_op, "op"),
-            "top_sources": rows(per_source, "source")}
+            "top_sources": rows(per_source, "source"),
+            # what the source table could not name, to debug its lookup: the programs of the trace against the
+            # modules dumped, and the costliest unnamed kernels
+            "source_lookup": dict(dumped_modules=len(sources), traced_programs=sorted({e.program_id for e in ops}
+                                                                                       - {None})[:20],
+                                  dumped_ids=sorted(sources)[:20], unnamed=[k for k, _ in unmatched.most_common(8)])}
+
+
+def kernel_name(instruction: str) -> str:
+    """An HLO instruction's name as XLA names its kernel (and the profiler some of its events)."""
+    return instruction.replace(".", "_").replace("-", "_")
 
 
 def module_sources(dump: str) -> dict[int, dict[str, str]]:
-    """{module id: {instruction: its source line}} from the optimized modules XLA dumped (module_<id>.*)."""
+    """{module id: {instruction's kernel name: its source line}} from the optimized modules XLA dumped
+    (module_<id>.*)."""
     out = {}
     for path in glob.glob(os.path.join(dump, "module_*after_optimizations.txt")):
-        out[int(os.path.basename(path).split(".")[0].removeprefix("module_"))] = hlo_sources(open(path).read())
+        names = {kernel_name(k): v for k, v in hlo_sources(open(path).read()).items()}
+        out[int(os.path.basename(path).split(".")[0].removeprefix("module_"))] = names
     return out
 
 
