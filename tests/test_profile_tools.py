@@ -27,3 +27,31 @@ def test_profile_scoring_attributes_kernels_to_source_lines(tmp_path):
     attributed = sum(ms for source, ms in sources.items() if source.startswith("zaya_jax/"))
     assert attributed > 0.5 * report["kernel_ms_per_call"], sources
     assert any("scoring.py" in source for source in sources), sources  # the head and log-softmax of the window
+
+
+def test_kernels_named_as_a_gpu_names_them_find_their_source_lines(tmp_path, monkeypatch):
+    """A GPU kernel (or a command buffer's replay of it) carries its instruction's name with '.' made '_', and its
+    program id need not be a dumped module's: both still find the instruction's source line."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import profile_decode
+    from benchmarks.systems import profile_trace
+    from benchmarks.training.bench_profile import hlo_sources
+    from zaya_jax.ops.rmsnorm import rms_norm_reference
+
+    text = jax.jit(lambda x, w: rms_norm_reference(x, w, 1e-6)).lower(jnp.ones((4, 8)), jnp.ones(8)).compile().as_text()
+    named = [name for name, source in hlo_sources(text).items() if "rmsnorm.py" in source]
+    assert named, text
+    dotted = named[0] + ".12"  # XLA numbers repeated instruction names: "fusion.12"; its kernel is "fusion_12"
+    (tmp_path / "module_0007.jit_norm.after_optimizations.txt").write_text(text.replace(f"%{named[0]} ", f"%{dotted} "))
+    names = profile_decode.module_sources(str(tmp_path))[7]
+    events = [profile_trace.OpEvent("/device:GPU:0", "Stream #1", profile_decode.kernel_name(dotted),
+                                    "command_buffer.3", "jit_norm", 0.0, 2e3, program_id=99),
+              profile_trace.OpEvent("/device:GPU:0", "Stream #1", "nvjet_gemm", None, "jit_norm", 5e3, 1e3,
+                                    program_id=7)]
+    monkeypatch.setattr(profile_trace, "load", lambda logdir: (events, [], ["Stream #1"]))
+    tables = profile_decode.kernel_tables(lambda: None, str(tmp_path), 1, "call", 10)
+    sources = {row["source"]: row["ms_per_call"] for row in tables["top_sources"]}
+    assert sources[names[profile_decode.kernel_name(dotted)]] == 0.002 and sources["(no project frame)"] == 0.001
+    assert tables["source_lookup"]["unnamed"] == ["nvjet_gemm"]
