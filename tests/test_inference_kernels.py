@@ -69,8 +69,7 @@ def test_choice_per_platform_and_program(model):
         assert set(inference_kernels("gpu", program)) == set(GPU)
     assert inference_kernels("gpu", "scoring") == GPU
     assert inference_kernels("gpu", "prefill") == GPU
-    assert inference_kernels("gpu", "decode") == dict(XLA, moe_impl="decode", attention_impl="pallas",
-                                                      norm_impl="pallas", conv_impl="pallas")
+    assert inference_kernels("gpu", "decode") == dict(XLA, moe_impl="decode", norm_impl="pallas", conv_impl="pallas")
     with pytest.raises(ValueError):
         kernel_overrides("cudnn", "scoring")
     with pytest.raises(ValueError):

@@ -77,8 +77,7 @@ def cached_attention(cache: DecodeCache, token_mask, impl: str = "xla"):
     """attend(kv_l, q, k, v, window) for ZayaModel.forward_with_layer_state: writes the chunk's K/V at slots
     [index, index + T) of one layer's cache and attends over every slot written so far (causal in slot order,
     pads masked, sliding windows counted in slots as HF counts cache positions). impl: the model's
-    attention_impl; 'cudnn' runs 'xla' here (its fused path takes no per-slot positions, see ops/attention.py);
-    'pallas' runs a one-token step as pallas_kernels/decode_attention.py (one launch where XLA takes five or six)."""
+    attention_impl; 'cudnn' runs 'xla' here (its fused path takes no per-slot positions, see ops/attention.py)."""
     impl = "xla" if impl == "cudnn" else impl
     T = token_mask.shape[1]
     S = cache.max_length
@@ -91,13 +90,8 @@ def cached_attention(cache: DecodeCache, token_mask, impl: str = "xla"):
         start = (0, index, 0, 0)
         k_all = jax.lax.dynamic_update_slice(kv_l.k, k.astype(kv_l.k.dtype), start)
         v_all = jax.lax.dynamic_update_slice(kv_l.v, v.astype(kv_l.v.dtype), start)
-        from pallas_kernels import decode_attention as decode_kernel
-        if impl == "pallas" and T == 1 and decode_kernel.supported(q.shape[2], k.shape[2], q.shape[3], S):
-            o = decode_kernel.decode_attention(q[:, 0], k_all, v_all, kv_valid, index, sliding_window)[:, None]
-        else:
-            o = attention_ops.attention(q, k_all.astype(q.dtype), v_all.astype(q.dtype), impl=impl,
-                                        q_positions=q_slots, kv_positions=kv_slots, kv_valid=kv_valid,
-                                        sliding_window=sliding_window)
+        o = attention_ops.attention(q, k_all.astype(q.dtype), v_all.astype(q.dtype), impl=impl, q_positions=q_slots,
+                                    kv_positions=kv_slots, kv_valid=kv_valid, sliding_window=sliding_window)
         return o, KVCache(k_all, v_all)
 
     return attend, kv_valid

@@ -9,11 +9,10 @@ kernels (the `kernels=` option of Scorer, Decoder, ZayaLM and the launch scripts
   None     the model's own config, unchanged.
   'xla'    the ModelConfig defaults: XLA attention ([B, H, T, S] scores), lax.ragged_dot experts, XLA norms/convs.
   'gpu'    the Pallas (Triton) kernels training runs on GPU (attention, grouped-GEMM experts, norms, CCA convs) for
-           scoring and prefill, whose token counts are the training step's. Decode takes the norm, CCA convolution
-           and attention kernels: a single-token step is a chain of small kernels, and each of those is one launch
-           where XLA emits several (a reduction, then the normalisation; the halo concatenation, the grouped GEMM,
-           the residual add; the scores, softmax and values: pallas_kernels/decode_attention.py, which holds a KV
-           head's query heads as the rows of one tile where the flash kernel would pad one query per row).
+           scoring and prefill, whose token counts are the training step's. Decode keeps XLA's attention (the flash
+           kernel would pad one query per row to a 16-row tile) but takes the norm and CCA convolution kernels: a
+           single-token step is a chain of small kernels, and each of those is one launch where XLA emits two to
+           four (a reduction, then the normalisation; the halo concatenation, the grouped GEMM, the residual add).
            On the CPU the Pallas kernels run in interpret mode (tests).
   'auto'   'gpu' on a GPU backend, 'xla' elsewhere (Pallas has no CPU or TPU lowering here).
 Decode's experts are moe_impl 'decode' under every choice but None (model/experts.py: each token's own expert
@@ -44,8 +43,7 @@ def inference_kernels(platform: str, program: str = "scoring") -> dict:
         raise ValueError(f"unknown inference program {program!r}; known: {PROGRAMS}")
     gpu = platform in ("gpu", "cuda", "rocm")
     if program == "decode":
-        return dict(XLA, moe_impl="decode",
-                    **(dict(attention_impl="pallas", norm_impl="pallas", conv_impl="pallas") if gpu else {}))
+        return dict(XLA, moe_impl="decode", **(dict(norm_impl="pallas", conv_impl="pallas") if gpu else {}))
     return dict(GPU) if gpu else dict(XLA)
 
 
