@@ -28,10 +28,15 @@ def main(argv=None):
                 row = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line cut short by a kill
-            if any("/layer_" in k for k in row) and (args.step is None or row["step"] == args.step):
+            if any("/layer_" in k for k in row):
                 rows.append(row)
+    logged = [row["step"] for row in rows]
+    if args.step is not None:
+        rows = [row for row in rows if row["step"] == args.step]
     if not rows:
-        raise UsageError(f"{path} has no per-layer routing metrics" + (f" at step {args.step}" if args.step else ""))
+        where = "" if args.step is None else f" at step {args.step}"
+        have = f" ({len(logged)} logged steps, from {logged[0]} to {logged[-1]})" if logged else ""
+        raise UsageError(f"{path} has no per-layer routing metrics{where}{have}")
     print(f"step {rows[-1]['step']}")
     print(layer_table(rows[-1]))
 

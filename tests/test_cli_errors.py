@@ -10,7 +10,7 @@ import pytest
 
 from configs.default import get_config
 from benchmarks import characterize, size_model
-from launch import evaluate_lm, generate, prepare_data, supervise
+from launch import evaluate_lm, generate, prepare_data, routing, supervise
 from launch._cli import EXIT_INTERRUPTED, EXIT_USER_ERROR, user_errors
 from zaya_jax.fault.supervisor import Supervisor, SupervisorConfig
 from zaya_jax.train import loop
@@ -76,6 +76,10 @@ def test_argparse_commands_report_mistakes_in_one_line(tmp_path, capsys, monkeyp
                   "launch.generate", "--max-new-tokens")
     one_line_exit(capsys, evaluate_lm.main, ["--checkpoint", str(tmp_path), "--tasks", "no_such_task"],
                   "launch.evaluate_lm", "unknown task no_such_task")
+    (tmp_path / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "routing/max_load/layer_00": 1.0}}\n'
+                                                    for s in (10, 20, 30)))
+    one_line_exit(capsys, routing.main, [str(tmp_path), "--step", "7"], "launch.routing", "at step 7",
+                  "3 logged steps, from 10 to 30")
 
 
 def test_ctrl_c_ends_a_command_in_one_line(capsys):
