@@ -70,6 +70,23 @@ def test_cli_refuses_a_non_string_text_field_and_keeps_the_old_output(tmp_path, 
         assert {p.name: p.read_bytes() for p in tmp_path.glob("out.*")} == before  # the last dataset stays
 
 
+def test_cli_refuses_inputs_without_a_document_and_keeps_the_old_output(tmp_path, capsys):
+    src = tmp_path / "docs.txt"
+    src.write_text("hello")
+    out = str(tmp_path / "out")
+    assert prepare_main([str(src), "--output-prefix", out]) == 0
+    before = {p.name: p.read_bytes() for p in tmp_path.glob("out*")}
+    capsys.readouterr()
+    src.write_text("")
+    assert prepare_main([str(src), "--output-prefix", out]) == 1
+    assert capsys.readouterr().err == "prepare_data: the inputs hold no document to train on (every one is empty); " \
+                                      "nothing written\n"
+    src.write_text("hello")  # one document, and it is held out
+    assert prepare_main([str(src), "--output-prefix", out, "--holdout-every", "1"]) == 1
+    assert "(1 went to the held-out split)" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("out*")} == before  # the last dataset stays
+
+
 @pytest.mark.skipif(importlib.util.find_spec("pyarrow") is not None, reason="pyarrow is installed")
 def test_parquet_without_pyarrow_says_so(tmp_path):
     path = tmp_path / "x.parquet"

@@ -180,6 +180,10 @@ def tokenize_to_indexed(documents: Iterable[str], tokenizer: Tokenizer, prefix: 
                     stats.documents += 1
                     stats.tokens += len(tokens)
                 index += 1
+        if stats.documents == 0:  # an empty dataset would only fail later, in training's first batch
+            raise DataError("the inputs hold no document to train on" + (
+                f" ({stats.valid_documents} went to the held-out split)" if stats.valid_documents else
+                " (every one is empty)") + "; nothing written")
     except BaseException:
         train.abort()
         if valid is not None:
