@@ -34,7 +34,9 @@ def one_line_exit(capsys, main, argv, *words):
     ("optim.learning_rate", -1e-3, "optim.learning_rate=-0.001"),
     ("optim.learning_rate", float("nan"), "optim.learning_rate=nan"),
     ("optim.total_steps", -1, "optim.total_steps=-1"), ("optim.schedule", "cosin", "'cosin'"),
-    ("balancing.learning_rate", -1.0, "balancing.learning_rate=-1.0")])
+    ("balancing.learning_rate", -1.0, "balancing.learning_rate=-1.0"),
+    # the default warmup (20 steps) and cooldown (0.3 of the steps) leave no room in 25 steps
+    ("train.steps", 25, "set --config.train.steps=28 or more")])
 def test_values_that_cannot_work_are_refused_before_a_model_is_built(key, value, named, tmp_path, monkeypatch):
     def built(*_, **__):
         raise AssertionError("a model was built")

@@ -197,7 +197,8 @@ def _schedule(o: OptimizerConfig, steps: int, *, given_total: bool) -> Optimizer
     total = o.total_steps if given_total else 0
     if total < 0:
         raise TrainConfigError(f"optim.total_steps={total} must be >= 0 (0: follows train.steps)")
-    if total == 0:
+    follows = total == 0
+    if follows:
         o = dataclasses.replace(o, total_steps=steps)
     elif total < steps:
         raise TrainConfigError(f"train.steps={steps} runs past optim.total_steps={total} (learning rate 0 after it): "
@@ -205,11 +206,24 @@ def _schedule(o: OptimizerConfig, steps: int, *, given_total: bool) -> Optimizer
     if o.schedule != "constant" and o.warmup_steps > o.total_steps:
         raise TrainConfigError(f"optim.warmup_steps={o.warmup_steps} is longer than the schedule "
                                f"({o.total_steps} steps): lower --config.optim.warmup_steps")
+    if o.schedule == "wsd" and 0 <= o.decay_fraction < 1 and \
+            o.warmup_steps + _cooldown_steps(o, o.total_steps) > o.total_steps:
+        # the shortest schedule with room for both: the cooldown grows by decay_fraction per step, so one exists
+        shortest = next(n for n in range(o.total_steps, 10 ** 9) if o.warmup_steps + _cooldown_steps(o, n) <= n)
+        raise TrainConfigError(
+            f"a schedule of {o.total_steps} steps has no room for optim.warmup_steps={o.warmup_steps} and the "
+            f"cooldown (optim.decay_fraction={o.decay_fraction}: {_cooldown_steps(o, o.total_steps)} steps): set "
+            f"--config.{'train.steps' if follows else 'optim.total_steps'}={shortest} or more, or lower "
+            "--config.optim.warmup_steps or --config.optim.decay_fraction")
     try:  # the schedule's and Muon's own checks (names, decay length, Newton-Schulz settings) before any model
         group_transforms(o)
     except (ValueError, TypeError) as e:
         raise TrainConfigError(f"optim: {e}") from None
     return o
+
+
+def _cooldown_steps(o: OptimizerConfig, total_steps: int) -> int:
+    return round(o.decay_fraction * total_steps)  # what optim/schedules.py warmup_stable_decay takes
 
 
 def _check_balancing(b: BalancerConfig) -> None:
