@@ -36,6 +36,15 @@ def test_readme_data_syntax_on_every_config(name):
         assert set(c.data.weights) == {"web", "code"}
 
 
+@pytest.mark.parametrize("weights", [(), ("--config.data.weights.web=2.0",)], ids=["no_weights", "weights"])
+def test_turning_the_builtin_corpus_off_by_hand_drops_its_weights_too(weights):
+    """Naming sources turns the built-in corpus off by itself; saying so as well must not keep its weights (the
+    command line cannot delete the 'code' weight that the file gave the built-in corpus)."""
+    c = parse("--config.data.builtin=False", "--config.data.sources.web=W", *weights)
+    assert c.data.builtin is False and dict(c.data.weights) == {"web": 2.0 if weights else 1.0}
+    make_plan(c)
+
+
 def test_weights_and_model_fields_by_name():
     c = parse("--config.data.sources.web=W", "--config.data.sources.code=C", "--config.data.weights.web=0.7",
               "--config.data.weights.code=0.3", "--config.model.overrides.vocab_size=1024",

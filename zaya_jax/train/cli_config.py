@@ -93,8 +93,12 @@ def resolve(config: ConfigDict, open_flags: OpenFlags | None = None) -> ConfigDi
     """Sets the open-dictionary flags on `config` and settles data.builtin (in place; returns `config`)."""
     from zaya_jax.train.errors import TrainConfigError
 
+    from zaya_jax.data.corpus import SOURCES
+
     open_flags = open_flags or OpenFlags()
-    was_builtin = bool(config.data.builtin)
+    # the file's weights are the built-in corpus's when it was on, also when --config.data.builtin=False turned it
+    # off before this runs (its weights still name the built-in sources, which named sources replace)
+    was_builtin = bool(config.data.builtin) or (open_flags.builtin_given and set(config.data.weights) == set(SOURCES))
     given = {section: {} for section in OPEN}
     for section, key, raw in open_flags.values:
         if section == "model.overrides":
@@ -140,7 +144,6 @@ def resolve(config: ConfigDict, open_flags: OpenFlags | None = None) -> ConfigDi
             config.data.weights = ConfigDict({name: 1.0 for name in config.data.sources})
     if config.data.builtin and not config.data.weights:
         # the built-in corpus switched on over a config without weights (one made for named sources): mixed equally
-        from zaya_jax.data.corpus import SOURCES
         with config.data.unlocked():
             config.data.weights = ConfigDict({name: 1.0 for name in SOURCES})
     if config.data.builtin and (given["data.valid_sources"] or config.data.valid_sources):
