@@ -91,9 +91,8 @@ def model_field_value(name: str, raw: str):
 
 def resolve(config: ConfigDict, open_flags: OpenFlags | None = None) -> ConfigDict:
     """Sets the open-dictionary flags on `config` and settles data.builtin (in place; returns `config`)."""
-    from zaya_jax.train.errors import TrainConfigError
-
     from zaya_jax.data.corpus import SOURCES
+    from zaya_jax.train.errors import TrainConfigError
 
     open_flags = open_flags or OpenFlags()
     # the file's weights are the built-in corpus's when it was on, also when --config.data.builtin=False turned it
