@@ -15,6 +15,11 @@ def _check(warmup_steps: int, total_steps: int):
         raise ValueError(f"need 0 <= warmup_steps ({warmup_steps}) <= total_steps ({total_steps})")
 
 
+def cooldown_steps(total_steps: int, decay_fraction: float) -> int:
+    """warmup_stable_decay's default cooldown length: decay_fraction of the schedule, rounded."""
+    return round(decay_fraction * total_steps)
+
+
 def _warmup(step, init_value, peak_value, warmup_steps):
     frac = jnp.clip(step / max(warmup_steps, 1), 0.0, 1.0)
     return init_value + (peak_value - init_value) * frac
@@ -29,7 +34,7 @@ def warmup_stable_decay(peak_value: float, warmup_steps: int, total_steps: int, 
     _check(warmup_steps, total_steps)
     if cooldown not in COOLDOWNS:
         raise ValueError(f"cooldown must be one of {COOLDOWNS}, got {cooldown!r}")
-    decay_steps = round(decay_fraction * total_steps) if decay_steps is None else decay_steps
+    decay_steps = cooldown_steps(total_steps, decay_fraction) if decay_steps is None else decay_steps
     if not 0 <= decay_steps <= total_steps - warmup_steps:
         raise ValueError(f"decay_steps ({decay_steps}) must fit after warmup: <= {total_steps - warmup_steps}")
     decay_start = total_steps - decay_steps
@@ -59,4 +64,4 @@ def warmup_cosine(peak_value: float, warmup_steps: int, total_steps: int, *, ini
     return schedule
 
 
-__all__ = ["COOLDOWNS", "warmup_stable_decay", "warmup_cosine"]
+__all__ = ["COOLDOWNS", "cooldown_steps", "warmup_stable_decay", "warmup_cosine"]

@@ -14,6 +14,7 @@ from typing import Any
 from zaya_jax.data.corpus import SOURCES as BUILTIN_SOURCES
 from zaya_jax.optim.balancing import BalancerConfig
 from zaya_jax.optim.optimizer import OptimizerConfig, group_transforms
+from zaya_jax.optim.schedules import cooldown_steps
 from zaya_jax.parallel.config import ParallelConfig
 from zaya_jax.parallel.context import ATTENTION_VARIANTS
 from zaya_jax.parallel.sharding import MUON_PLACEMENTS
@@ -207,12 +208,12 @@ def _schedule(o: OptimizerConfig, steps: int, *, given_total: bool) -> Optimizer
         raise TrainConfigError(f"optim.warmup_steps={o.warmup_steps} is longer than the schedule "
                                f"({o.total_steps} steps): lower --config.optim.warmup_steps")
     if o.schedule == "wsd" and 0 <= o.decay_fraction < 1 and \
-            o.warmup_steps + _cooldown_steps(o, o.total_steps) > o.total_steps:
+            o.warmup_steps + cooldown_steps(o.total_steps, o.decay_fraction) > o.total_steps:
         # the shortest schedule with room for both: the cooldown grows by decay_fraction per step, so one exists
-        shortest = next(n for n in range(o.total_steps, 10 ** 9) if o.warmup_steps + _cooldown_steps(o, n) <= n)
+        shortest = next(n for n in range(o.total_steps, 10 ** 9) if o.warmup_steps + cooldown_steps(n, o.decay_fraction) <= n)
         raise TrainConfigError(
             f"a schedule of {o.total_steps} steps has no room for optim.warmup_steps={o.warmup_steps} and the "
-            f"cooldown (optim.decay_fraction={o.decay_fraction}: {_cooldown_steps(o, o.total_steps)} steps): set "
+            f"cooldown (optim.decay_fraction={o.decay_fraction}: {cooldown_steps(o.total_steps, o.decay_fraction)} steps): set "
             f"--config.{'train.steps' if follows else 'optim.total_steps'}={shortest} or more, or lower "
             "--config.optim.warmup_steps or --config.optim.decay_fraction")
     try:  # the schedule's and Muon's own checks (names, decay length, Newton-Schulz settings) before any model
@@ -220,10 +221,6 @@ def _schedule(o: OptimizerConfig, steps: int, *, given_total: bool) -> Optimizer
     except (ValueError, TypeError) as e:
         raise TrainConfigError(f"optim: {e}") from None
     return o
-
-
-def _cooldown_steps(o: OptimizerConfig, total_steps: int) -> int:
-    return round(o.decay_fraction * total_steps)  # what optim/schedules.py warmup_stable_decay takes
 
 
 def _check_balancing(b: BalancerConfig) -> None:
