@@ -94,7 +94,8 @@ def kernel_tables(run, dump: str, units: int, unit: str, top: int) -> dict:
         # kernels replayed from a command buffer (CUDA graph) carry the buffer's op name: name them by kernel, which
         # for XLA's fusions is their instruction's name with '.' and '-' made '_'
         key = e.name if not e.hlo_op or e.hlo_op.startswith("command_buffer") else e.hlo_op
-        source = sources.get(e.program_id, {}).get(kernel_name(key)) or anywhere.get(kernel_name(key))
+        name = kernel_name(key)
+        source = sources.get(e.program_id, {}).get(name) or anywhere.get(name)
         if source is None:
             unmatched[key] += e.duration_ns
             source = "(no project frame)"

@@ -55,19 +55,24 @@ def test_bad_inputs_are_named(tmp_path):
             list(iter_documents([str(bad)]))
 
 
+def written(tmp_path) -> dict:
+    """The dataset files under tmp_path/out* (the training and held-out splits) and their bytes."""
+    return {p.name: p.read_bytes() for p in tmp_path.glob("out*")}
+
+
 def test_cli_refuses_a_non_string_text_field_and_keeps_the_old_output(tmp_path, capsys):
     src = tmp_path / "docs.jsonl"
     src.write_text('{"text": "hello"}\n')
     out = str(tmp_path / "out")
     assert prepare_main([str(src), "--output-prefix", out]) == 0
-    before = {p.name: p.read_bytes() for p in tmp_path.glob("out.*")}
+    before = written(tmp_path)
     capsys.readouterr()
     for value, kind in (("null", "null"), ("5", "a number")):  # were the documents "None" and "5"
         src.write_text(f'{{"text": "hello"}}\n{{"text": {value}}}\n')
         assert prepare_main([str(src), "--output-prefix", out]) == 1
         err = capsys.readouterr().err
         assert err == f"prepare_data: {src}:2: the 'text' field is {kind}, not a string\n"
-        assert {p.name: p.read_bytes() for p in tmp_path.glob("out.*")} == before  # the last dataset stays
+        assert written(tmp_path) == before  # the last dataset stays
 
 
 def test_cli_refuses_inputs_without_a_document_and_keeps_the_old_output(tmp_path, capsys):
@@ -75,7 +80,7 @@ def test_cli_refuses_inputs_without_a_document_and_keeps_the_old_output(tmp_path
     src.write_text("hello")
     out = str(tmp_path / "out")
     assert prepare_main([str(src), "--output-prefix", out]) == 0
-    before = {p.name: p.read_bytes() for p in tmp_path.glob("out*")}
+    before = written(tmp_path)
     capsys.readouterr()
     src.write_text("")
     assert prepare_main([str(src), "--output-prefix", out]) == 1
@@ -84,7 +89,7 @@ def test_cli_refuses_inputs_without_a_document_and_keeps_the_old_output(tmp_path
     src.write_text("hello")  # one document, and it is held out
     assert prepare_main([str(src), "--output-prefix", out, "--holdout-every", "1"]) == 1
     assert "(1 went to the held-out split)" in capsys.readouterr().err
-    assert {p.name: p.read_bytes() for p in tmp_path.glob("out*")} == before  # the last dataset stays
+    assert written(tmp_path) == before  # the last dataset stays
 
 
 @pytest.mark.skipif(importlib.util.find_spec("pyarrow") is not None, reason="pyarrow is installed")
