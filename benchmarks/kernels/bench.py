@@ -20,10 +20,12 @@ from pallas_kernels import _attention_kernels as attn_kern
 from pallas_kernels import _norm_kernels as norm_kern
 from pallas_kernels import cca_attention, platform, rmsnorm
 from pallas_kernels import cca_conv as cca_conv_kernels
+from pallas_kernels import qk_norm_rope as qk_kernels
 from pallas_kernels.platform import AttentionBlocks, NormLaunch
 from zaya_jax.model.cca import same_segment_masks
 from zaya_jax.ops import attention as attn_ops
 from zaya_jax.ops import rmsnorm as norm_ops
+from zaya_jax.ops import qk_norm_rope as qk_ops
 from zaya_jax.ops.cca_conv import halo, qk_mix
 from benchmarks.systems.timing import calls_for, seconds_per_call
 
@@ -181,6 +183,64 @@ def bench_cca_conv(shapes, copy_tbps: float, t0: int = 2, t1: int = 2, sweep=())
               f"({e['pallas_fwd_vs_copy']:.2f} of copy, xla x{e['fwd_speedup_vs_xla']:.2f})  fwd+bwd "
               f"{e['pallas_fwdbwd_ms']:.3f} ms ({e['pallas_fwdbwd_vs_copy']:.2f} of copy, "
               f"xla x{e['fwdbwd_speedup_vs_xla']:.2f})", flush=True)
+        out.append(entry)
+    return out
+
+
+QK_CHAIN = 16  # decode-sized forward calls chained in one program: one alone would time host dispatch
+
+
+def _qk_fns(impl: str, heads: int, chained: bool):
+    fn = qk_ops.qk_norm_rope_reference if impl == "xla" else qk_ops.qk_norm_rope_kernel
+
+    def chain(qk, temp, cos, sin):  # each call's outputs concatenated into the next one's input (a small copy)
+        return jax.lax.fori_loop(0, QK_CHAIN, lambda _, x: jnp.concatenate(fn(x, temp, cos, sin, heads), 2), qk)
+
+    def fwd_bwd(qk, temp, cos, sin, dq, dk):
+        out, pull = jax.vjp(lambda qk, temp: fn(qk, temp, cos, sin, heads), qk, temp)
+        return pull((dq, dk))
+
+    return jax.jit(chain if chained else lambda *a: fn(*a, heads)), jax.jit(fwd_bwd)
+
+
+def bench_qk_norm_rope(shapes, copy_tbps: float, sweep=()):
+    """CCA's QK norm + RoPE (bf16 [B, T, H + KV, d] in, q and k out): the Pallas forward against XLA's on the same
+    inputs, per call (decode sizes, B * T < 4096: per call of a chain of QK_CHAIN dependent calls in one program);
+    forward+backward (the kernel's backward is XLA's) at the larger sizes. Bandwidth against the copy ceiling counts
+    qk read and q, k written."""
+    out = []
+    for B, T, heads, kv, d, r in shapes:
+        k = jax.random.split(jax.random.key(B * T), 5)
+        qk = _normal(k[0], (B, T, heads + kv, d), BF16)
+        temp = 1.0 + 0.1 * jax.random.normal(k[1], (kv,))
+        cos, sin = qk_ops.rope_tables(jax.random.randint(k[2], (B, T), 0, 1 << 20), qk_ops.rope_inv_freq(1e4, 2 * r),
+                                      BF16)
+        dq, dk = _normal(k[3], (B, T, heads, d), BF16), _normal(k[4], (B, T, kv, d), BF16)
+        entry = dict(B=B, T=T, heads=heads, kv=kv, d=d, rotary_half=r)
+        small = B * T < 4096
+        calls = QK_CHAIN if small else 1
+        entry["timed_as_chain"] = small
+        for impl in ("pallas", "xla"):
+            fwd, fwd_bwd = _qk_fns(impl, heads, small)
+            entry[f"{impl}_fwd_us"] = time_call(fwd, qk, temp, cos, sin) / calls * 1e6
+            if not small:
+                entry[f"{impl}_fwdbwd_us"] = time_call(fwd_bwd, qk, temp, cos, sin, dq, dk) * 1e6
+        entry["fwd_speedup_vs_xla"] = entry["xla_fwd_us"] / entry["pallas_fwd_us"]
+        entry["pallas_fwd_vs_copy"] = 2 * qk.nbytes / (entry["pallas_fwd_us"] * 1e-6) / 1e12 / copy_tbps
+        if "xla_fwdbwd_us" in entry:
+            entry["fwdbwd_speedup_vs_xla"] = entry["xla_fwdbwd_us"] / entry["pallas_fwdbwd_us"]
+        if sweep and not small:
+            entry["sweep"] = []
+            for rows, warps in sweep:
+                with qk_kernels.tiles_override(rows, warps):
+                    fwd, _ = _qk_fns("pallas", heads, small)
+                    us = time_call(fwd, qk, temp, cos, sin) * 1e6
+                entry["sweep"].append(dict(rows=rows, warps=warps, fwd_us=us))
+                print(f"    tiles rows={rows} warps={warps}: fwd {us:.1f} us", flush=True)
+        print(f"  qk norm + rope B={B} T={T}: fwd {entry['pallas_fwd_us']:.1f} us against xla "
+              f"{entry['xla_fwd_us']:.1f} (x{entry['fwd_speedup_vs_xla']:.2f}, {entry['pallas_fwd_vs_copy']:.2f} of "
+              f"copy)" + (f"; fwd+bwd x{entry['fwdbwd_speedup_vs_xla']:.2f}" if "fwdbwd_speedup_vs_xla" in entry
+                          else ""), flush=True)
         out.append(entry)
     return out
 
@@ -385,5 +445,5 @@ def device_summary() -> dict:
 __all__ = ["PASS_FLOPS", "attempt", "AttentionBlocks", "AttentionPassProblem", "NormLaunch", "attention_flops",
            "attention_pass_problem", "bench_attention", "bench_norms", "norm_problem", "time_attention_pass",
            "time_merge_fwd_bwd", "time_norm_pass",
-           "copy_ceiling_tbps", "device_summary", "gemm_ceiling_tflops", "sweep_attention_blocks",
+           "bench_qk_norm_rope", "copy_ceiling_tbps", "device_summary", "gemm_ceiling_tflops", "sweep_attention_blocks",
            "sweep_norm_launch", "time_call"]

@@ -17,6 +17,7 @@ from zaya_jax.config import ModelConfig
 from zaya_jax.model.base import Linear, dtypes, normal_init
 from zaya_jax.ops import attention as attention_ops
 from zaya_jax.ops import cca_conv as conv_ops
+from zaya_jax.ops import qk_norm_rope as qk_ops
 
 
 @dataclasses.dataclass
@@ -60,7 +61,8 @@ class CCAProjection(nnx.Module):
         return tuple(jnp.split(self.fused(x), [q_end, k_end, v_end], axis=-1))
 
     def __call__(self, x, *, conv_mask=None, state: CCAState | None = None, segment_ids=None, exchange=None):
-        """x: [B, T, D] (compute dtype). Returns q [B,T,H,d], k [B,T,KV,d], v [B,T,KV,d] and the CCAState at the
+        """x: [B, T, D] (compute dtype). Returns qk [B,T,H+KV,d] (the query heads, then the key heads), v [B,T,KV,d]
+        and the CCAState at the
         end of this chunk (for caches and context-parallel neighbours). With segment_ids [B, T] (packed documents
         with resets) every document starts as a sequence does: zero conv halo, zero delayed-value input.
 
@@ -89,9 +91,6 @@ class CCAProjection(nnx.Module):
         w2 = self.conv_qk_grouped.weight[...].astype(dt).reshape(H + KV, d, d, cfg.cca_time1)  # [head, out, in, tap]
         mixed = conv_ops.qk_mix(qk_padded, w1, self.conv_qk_depthwise.bias[...], w2, self.conv_qk_grouped.bias[...],
                                 H, same_segment_masks(segment_ids, P), impl=cfg.conv_impl)
-        q = mixed[..., : H * d].reshape(B, T, H, d)
-        k = mixed[..., H * d:].reshape(B, T, KV, d)
-
         if state is None or state.value is None:  # v_proj_delayed(0): zero, or the bias with attention_bias
             v0 = self.v_proj_delayed(jnp.zeros((B, 1, x.shape[-1]), dt))
         else:
@@ -104,7 +103,7 @@ class CCAProjection(nnx.Module):
             v_prev = jnp.where(starts[..., None], v_zero, v_prev)
         v = jnp.concatenate([v_cur, v_prev], axis=-1).reshape(B, T, KV, d)
         new_state = CCAState(conv=qk_padded[:, -P:] if P else qk_padded[:, :0], value=v_del[:, -1])
-        return q, k, v, new_state
+        return mixed.reshape(B, T, H + KV, d), v, new_state
 
 
 def same_segment_masks(segment_ids, P: int):
@@ -130,37 +129,13 @@ class QKNorm(nnx.Module):
         self.cfg = cfg
         self.temp = nnx.Param(jnp.zeros((cfg.num_key_value_heads,), dtypes(cfg)[1]))
 
-    def __call__(self, q, k):
-        """L2-normalise every head to norm sqrt(d) (norm clamped at the dtype's eps, as HF), keys times temp.
-        Query and key heads are normalised as one [B, T, H + KV, d] array: one reduction instead of two (q and k
-        are slices of one projection, so XLA forms the concatenation from it without a copy)."""
-        dt = q.dtype
-        H = q.shape[2]
-        eps = float(jnp.finfo(dt).eps)
-        scale = self.cfg.head_dim ** 0.5
-        xf = jnp.concatenate([q, k], axis=2).astype(jnp.float32)
-        # max(sqrt(ss), eps) written as sqrt(max(ss, eps^2)): same value, but a zero vector (a padded token) gets a
-        # zero gradient instead of sqrt's NaN at 0
-        n = jnp.sqrt(jnp.maximum(jnp.sum(xf * xf, axis=-1, keepdims=True), eps * eps))
-        qk = xf * (scale / n)
-        kn = qk[:, :, H:] * self.temp[...].astype(jnp.float32)[None, None, :, None]
-        return qk[:, :, :H].astype(dt), kn.astype(dt)
-
-
-def rope_inv_freq(theta: float, rotary_dim: int):
-    return 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
-
-
-def apply_rope(x, positions, inv_freq):
-    """NeoX rotate-half RoPE on the first 2*len(inv_freq) dims of each head; x [B,T,N,d], positions [B,T]."""
-    rd = 2 * inv_freq.shape[-1]
-    ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, rd/2]
-    cos = jnp.cos(jnp.concatenate([ang, ang], -1)).astype(x.dtype)[:, :, None, :]
-    sin = jnp.sin(jnp.concatenate([ang, ang], -1)).astype(x.dtype)[:, :, None, :]
-    xr, xp = x[..., :rd], x[..., rd:]
-    x1, x2 = xr[..., : rd // 2], xr[..., rd // 2:]
-    rotated = xr * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
-    return jnp.concatenate([rotated, xp], axis=-1)
+    def __call__(self, qk, positions, inv_freq):
+        """qk [B, T, H + KV, d] -> q [B, T, H, d], k [B, T, KV, d]: every head L2-normalised to norm sqrt(d), keys
+        times temp, then RoPE at positions [B, T] (ops/qk_norm_rope.py; the Pallas kernel under norm_impl
+        'pallas')."""
+        cos, sin = qk_ops.rope_tables(positions, inv_freq, qk.dtype)
+        return qk_ops.qk_norm_rope(qk, self.temp[...], cos, sin, self.cfg.num_attention_heads,
+                                   impl=self.cfg.norm_impl)
 
 
 class CCAttention(nnx.Module):
@@ -176,11 +151,9 @@ class CCAttention(nnx.Module):
         """positions: RoPE positions [B, T]; causal order is the row index. attend(q, k, v) -> o overrides the
         attention call (caches and context parallelism plug in here); cca_exchange: see CCAProjection."""
         B, T, _ = x.shape
-        q, k, v, new_state = self.qkv_proj(x, conv_mask=attention_mask, state=state, segment_ids=segment_ids,
-                                           exchange=cca_exchange)
-        q, k = self.qk_norm(q, k)
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
+        qk, v, new_state = self.qkv_proj(x, conv_mask=attention_mask, state=state, segment_ids=segment_ids,
+                                         exchange=cca_exchange)
+        q, k = self.qk_norm(qk, positions, inv_freq)
         if attend is None:
             o = attention_ops.attention(q, k, v, impl=self.cfg.attention_impl, kv_valid=attention_mask,
                                         q_segment_ids=segment_ids, sliding_window=sliding_window)

@@ -19,11 +19,11 @@ from flax import nnx
 from zaya_jax.config import ModelConfig
 from zaya_jax.model import embedding_tap, routing_stats
 from zaya_jax.model.base import RMSNormWeight, dtypes, normal_init
-from zaya_jax.model.cca import rope_inv_freq
 from zaya_jax.model.layer import DecoderLayer
 from zaya_jax.model.layer_stack import LayerSlices, holds_layer_slices, unstack_layers
 from zaya_jax.model.loss import head_logits
 from zaya_jax.ops import rmsnorm as norm_ops
+from zaya_jax.ops.qk_norm_rope import rope_inv_freq
 
 _FULL_WINDOW = jnp.iinfo(jnp.int32).max
 
