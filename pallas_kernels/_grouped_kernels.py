@@ -6,6 +6,8 @@ checkpoint.
 
   rows_matmul  'nt': y[tile] = x[tile] @ w[g]ᵀ   (contract w's `in`: the forward)
                'nn': y[tile] = x[tile] @ w[g]    (contract w's `out`: the data gradient)
+               'nt' with src: x holds tokens and a tile's rows are loaded as x[src[row]] (zeros where src is out
+               of range), so the layout's row gather is not a pass of its own
                a program's tile is up to `span` consecutive units of one group g (a group's last tile may have
                fewer); the units past the last group (g = E) get zero rows.
   group_wgrad  dw[e] = dy[rows of e]ᵀ @ x[rows of e]  ->  [E, out, in]; a group without units gets zeros.
@@ -22,6 +24,7 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import platform, vma
 
@@ -46,8 +49,9 @@ def swizzled_tile(p, num_row_tiles: int, num_col_tiles: int, group_rows: int):
 
 
 # ------------------------------------------------------------------------------------------- forward / dgrad
-def _rows_kernel(unit_ref, group_ref, units_ref, x_ref, w_ref, o_ref, *, bm, span, bn, bk, k_steps, num_tiles,
-                 num_col_tiles, group_rows, num_groups, transpose_w, precision):
+def _rows_kernel(unit_ref, group_ref, units_ref, *refs, bm, span, bn, bk, k_steps, num_tiles, num_col_tiles,
+                 group_rows, num_groups, transpose_w, precision, num_tokens):
+    src_ref, (x_ref, w_ref, o_ref) = (refs[0], refs[1:]) if num_tokens is not None else (None, refs)
     tile, col = swizzled_tile(pl.program_id(0), num_tiles, num_col_tiles, group_rows)
     g = group_ref[tile]
     n = units_ref[tile]
@@ -55,9 +59,17 @@ def _rows_kernel(unit_ref, group_ref, units_ref, x_ref, w_ref, o_ref, *, bm, spa
     cols = pl.ds(pl.multiple_of(col * bn, bn), bn)
 
     def compute(rows, m):
+        if src_ref is not None:
+            src = src_ref[rows]
+            held = src < num_tokens
+            src = jnp.where(held, src, 0)[:, None]
+
         def step(k, acc):
             ks = pl.ds(pl.multiple_of(k * bk, bk), bk)
-            a = x_ref[rows, ks]
+            if src_ref is None:
+                a = x_ref[rows, ks]
+            else:  # index arrays on both axes (Pallas takes no array index next to a slice)
+                a = plgpu.load(x_ref.at[src, (k * bk + jnp.arange(bk))[None, :]], mask=held[:, None], other=0)
             if transpose_w:
                 return acc + lax.dot_general(a, w_ref[g, cols, ks], _NT, precision=precision,
                                              preferred_element_type=F32)
@@ -76,12 +88,15 @@ def _rows_kernel(unit_ref, group_ref, units_ref, x_ref, w_ref, o_ref, *, bm, spa
 
 
 def rows_matmul(x, w, tiles, *, transpose_w: bool, block_rows: int, span: int, block_n: int, block_k: int,
-                group_rows: int, num_warps: int, num_stages: int, interpret: bool):
-    """'nt' (transpose_w=True): x [M, in] -> [M, out]; 'nn': x [M, out] -> [M, in]. w [E, out, in].
+                group_rows: int, num_warps: int, num_stages: int, interpret: bool, src=None):
+    """'nt' (transpose_w=True): x [M, in] -> [M, out]; 'nn': x [M, out] -> [M, in]. w [E, out, in]. With src [M]
+    ('nt' only): x [N, in] holds tokens and row r is read as x[src[r]] (zero where src[r] >= N).
 
     tiles [3, W] int32: each program's first row unit, group and number of units (<= span; 0: nothing), from
     pallas_kernels.grouped_matmul.program_tiles."""
-    M, K = x.shape
+    if src is not None and not transpose_w:
+        raise ValueError("rows_matmul: gathered rows (src) are for the 'nt' forward only")
+    M, K = (x.shape[0] if src is None else src.shape[0]), x.shape[1]
     E = w.shape[0]
     W = tiles.shape[1]
     n_out = w.shape[1] if transpose_w else w.shape[2]
@@ -93,15 +108,16 @@ def rows_matmul(x, w, tiles, *, transpose_w: bool, block_rows: int, span: int, b
     kernel = functools.partial(
         _rows_kernel, bm=block_rows, span=span, bn=block_n, bk=block_k, k_steps=K // block_k, num_tiles=W,
         num_col_tiles=num_col_tiles, group_rows=group_rows, num_groups=E, transpose_w=transpose_w,
-        precision=platform.dot_precision(x.dtype))
+        precision=platform.dot_precision(x.dtype), num_tokens=None if src is None else x.shape[0])
     return pl.pallas_call(
         kernel,
         out_shape=vma.out_struct((M, n_out), x.dtype, x),
         grid=(W * num_col_tiles,),
         compiler_params=platform.compiler_params(num_warps, num_stages),
         interpret=interpret,
-        name="grouped_matmul_nt" if transpose_w else "grouped_matmul_nn",
-    )(tiles[0], tiles[1], tiles[2], x, w)
+        name=("grouped_matmul_nt" if src is None else "grouped_matmul_nt_gathered") if transpose_w else
+        "grouped_matmul_nn",
+    )(tiles[0], tiles[1], tiles[2], *([] if src is None else [src]), x, w)
 
 
 # ------------------------------------------------------------------------------------------------------ wgrad

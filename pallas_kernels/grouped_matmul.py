@@ -10,6 +10,9 @@ remaining units. Compared with lax.ragged_dot (which XLA lowers on GPU to a dens
 work is the useful work plus the padding of each expert's last unit (< E * block_rows rows): short units keep the
 padding small, tall program tiles keep the GEMMs fast.
 
+Given the layout's row maps, the forward reads its rows from token order (no gathered copy of the tokens written
+first); its backward gathers that copy for the weight gradient and returns dx in token order.
+
 Backward: dx = dy @ w[g] per tile (the same kernel contracting w's `out` axis) and dw[e] = dy[rows of e]ᵀ x[rows of e]
 (a kernel per (expert, output tile) that loops over that expert's units only). Dimensions that are not whole
 tiles are zero-padded here (zero columns add nothing to a contraction; extra output columns are cut off); ZAYA1's
@@ -146,13 +149,13 @@ def units_per_tile(t: GroupedTiling, unit: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------- the custom VJP
-def _rows(x, w, tile_group, tiles, t: GroupedTiling, interpret: bool, transpose_w: bool):
-    unit = x.shape[0] // tile_group.shape[0]
+def _rows(x, w, tile_group, tiles, t: GroupedTiling, interpret: bool, transpose_w: bool, src=None):
+    unit = (x.shape[0] if src is None else src.shape[0]) // tile_group.shape[0]
     n, k, warps, stages = ((t.fwd_n, t.fwd_k, t.fwd_warps, t.fwd_stages) if transpose_w else
                            (t.dgrad_n, t.dgrad_k, t.dgrad_warps, t.dgrad_stages))
     return kern.rows_matmul(x, w, tiles, transpose_w=transpose_w, block_rows=unit, span=units_per_tile(t, unit),
                             block_n=n, block_k=k, group_rows=t.group_rows, num_warps=warps, num_stages=stages,
-                            interpret=interpret)
+                            interpret=interpret, src=src)
 
 
 def _wgrad(dy, x, tile_group, num_groups: int, t: GroupedTiling, interpret: bool):
@@ -185,35 +188,69 @@ def _gmm_bwd(tiling, interpret, res, dy):
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
-@functools.partial(jax.jit, static_argnames=("tiling", "interpret"))
-def grouped_matmul(x, w, tile_group, *, tiling: GroupedTiling | None = None, interpret: bool | None = None):
-    """x [T * block_rows, in], w [E, out, in], tile_group [T] int32 non-decreasing in [0, E] -> [T * block_rows, out].
+# The forward reading its rows from token order (x [N, in], row r = x[src[r]]): no gathered copy of the tokens is
+# written and read back. The backward gathers that copy (the weight gradient's operand) and takes the data gradient
+# back to token order by dst, the inverse map, so its work is the ungathered path's backward plus one gather.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _gmm_gathered(x, src, dst, w, tile_group, tiles, tiling, interpret):
+    xv, sv, wv, tgv, tv = vma.vary_to_union(x, src, w, tile_group, tiles)
+    return _rows(xv, wv, tgv, tv, tiling, interpret, transpose_w=True, src=sv)
 
-    Differentiable in x and w. The row unit is x.shape[0] // T (the layout's); `tiling.block_rows` is what the
+
+def _gmm_gathered_fwd(x, src, dst, w, tile_group, tiles, tiling, interpret):
+    return _gmm_gathered(x, src, dst, w, tile_group, tiles, tiling, interpret), (x, src, dst, w, tile_group, tiles)
+
+
+def _gmm_gathered_bwd(tiling, interpret, res, dy):
+    x, src, dst, w, tile_group, tiles = res
+    xs = jnp.take(x, src, axis=0, mode="fill", fill_value=0)
+    dxs, dw, _, _ = _gmm_bwd(tiling, interpret, (xs, w, tile_group, tiles), dy)
+    dx = jnp.take(dxs, dst, axis=0, mode="fill", fill_value=0)
+    return vma.sum_to_type_of(dx, x), None, None, dw, None, None
+
+
+_gmm_gathered.defvjp(_gmm_gathered_fwd, _gmm_gathered_bwd)
+
+
+@functools.partial(jax.jit, static_argnames=("tiling", "interpret"))
+def grouped_matmul(x, w, tile_group, *, tiling: GroupedTiling | None = None, interpret: bool | None = None,
+                   src=None, dst=None):
+    """x [T * block_rows, in], w [E, out, in], tile_group [T] int32 non-decreasing in [0, E] -> [T * block_rows, out].
+    With src [T * block_rows] and dst [N] (the layout's maps, zaya_jax.ops.grouped_matmul.tile_layout), x [N, in]
+    holds the tokens: the result is that of x[src] (zero rows where src is out of range), read in place.
+
+    Differentiable in x and w. The row unit is the rows over T (the layout's); `tiling.block_rows` is what the
     layout should have been built with and is not consulted here."""
+    if (src is None) != (dst is None):
+        raise ValueError("grouped_matmul: gathered rows need both maps, src and dst")
+    rows = x.shape[0] if src is None else src.shape[0]
     if x.ndim != 2 or w.ndim != 3 or tile_group.ndim != 1:
         raise ValueError(f"grouped_matmul needs x [M, in], w [E, out, in], tile_group [T]; got {x.shape}, {w.shape}, "
                          f"{tile_group.shape}")
     if x.shape[1] != w.shape[2]:
         raise ValueError(f"grouped_matmul: x has {x.shape[1]} input features, w {w.shape} expects {w.shape[2]}")
-    if x.shape[0] % tile_group.shape[0]:
-        raise ValueError(f"grouped_matmul: {x.shape[0]} rows are not {tile_group.shape[0]} whole tiles")
+    if rows % tile_group.shape[0]:
+        raise ValueError(f"grouped_matmul: {rows} rows are not {tile_group.shape[0]} whole tiles")
     if x.dtype != w.dtype:
         raise ValueError(f"grouped_matmul: x is {x.dtype} but w is {w.dtype}; cast to one compute dtype")
     n_in, n_out = w.shape[2], w.shape[1]
-    if (x.shape[0] // tile_group.shape[0]) % 16:
-        raise ValueError(f"grouped_matmul: the row unit {x.shape[0] // tile_group.shape[0]} must be a multiple of 16")
+    unit = rows // tile_group.shape[0]
+    if unit % 16:
+        raise ValueError(f"grouped_matmul: the row unit {unit} must be a multiple of 16")
     t = (tiling or default_tiling(x.dtype)).fitted(n_in, n_out)
     # the wgrad row step must divide the row unit (both multiples of 16, the step a power of two)
-    t = dataclasses.replace(t, wgrad_rows=math.gcd(t.wgrad_rows, x.shape[0] // tile_group.shape[0]))
+    t = dataclasses.replace(t, wgrad_rows=math.gcd(t.wgrad_rows, unit))
     interpret = platform.interpret() if interpret is None else interpret
     in_multiple = max(t.fwd_k, t.dgrad_n, t.wgrad_k)  # every block that walks `in` divides it (powers of two)
     out_multiple = max(t.fwd_n, t.dgrad_k, t.wgrad_n)
     xp = platform.pad_to_multiple(x, 1, in_multiple)
     wp = platform.pad_to_multiple(platform.pad_to_multiple(w, 2, in_multiple), 1, out_multiple)
     tile_group = tile_group.astype(jnp.int32)
-    span = units_per_tile(t, x.shape[0] // tile_group.shape[0])
-    y = _gmm(xp, wp, tile_group, program_tiles(tile_group, w.shape[0], span), t, interpret)
+    tiles = program_tiles(tile_group, w.shape[0], units_per_tile(t, unit))
+    if src is None:
+        y = _gmm(xp, wp, tile_group, tiles, t, interpret)
+    else:
+        y = _gmm_gathered(xp, src.astype(jnp.int32), dst.astype(jnp.int32), wp, tile_group, tiles, t, interpret)
     return y[:, :n_out]
 
 

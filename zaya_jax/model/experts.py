@@ -1,10 +1,10 @@
 """Dropless top-1 SwiGLU experts. gate_up_proj [E, 2I, D] (rows [0, I) gate, [I, 2I) up), down_proj [E, D, I].
 
 'ragged': tokens sorted by expert, two grouped GEMMs through lax.ragged_dot_general (contracting the stored
-[out, in] weights directly), unsorted by a gather. 'pallas': tokens gathered into a layout where every expert's rows
-fill whole row tiles, two grouped GEMM kernels (pallas_kernels.grouped_matmul; XLA lowers ragged_dot on GPU to a
-dense dot over all experts), gathered back. 'dense': every expert on every token, a one-hot select (the reference
-the tests pin the others against). 'decode' (a decode step's few tokens): at most E / 2 tokens gather their own
+[out, in] weights directly), unsorted by a gather. 'pallas': a layout where every expert's rows fill whole row
+tiles, two grouped GEMM kernels (pallas_kernels.grouped_matmul; XLA lowers ragged_dot on GPU to a dense dot over all
+experts), the first reading the tokens' rows into the layout as it loads them, the result gathered back. 'dense':
+every expert on every token, a one-hot select (the reference the tests pin the others against). 'decode' (a decode step's few tokens): at most E / 2 tokens gather their own
 expert's weights and apply them alone; up to DENSE_DECODE_TOKENS run 'dense', which reads each weight once in its
 stored layout and stays bound by those bytes rather than by its E-fold products (a GPU does a few hundred bf16
 products per byte it reads); more run 'ragged'. In a decode step the grouped paths cost more than the weights' bytes:
@@ -93,8 +93,8 @@ def _per_token(x, index, w_gu, w_down, act):
 
 def _pallas(x, index, w_gu, w_down, act, tiling):
     layout = gmm.tile_layout(index, w_gu.shape[0], gmm.block_rows(x.dtype, tiling=tiling))
-    xs = gmm.gather_rows(x, layout.src, layout.dst)  # padding rows are zeros
-    gu = gmm.grouped_matmul(xs, w_gu, layout.tile_group, impl="pallas", tiling=tiling)
+    # the tokens' rows read in place by the first GEMM (padding rows are zeros)
+    gu = gmm.grouped_matmul(x, w_gu, layout.tile_group, impl="pallas", tiling=tiling, layout=layout)
     out = gmm.grouped_matmul(_swiglu(gu, act), w_down, layout.tile_group, impl="pallas", tiling=tiling)
     return gmm.gather_rows(out, layout.dst, layout.src)  # skip tokens read zeros
 

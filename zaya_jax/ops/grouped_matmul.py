@@ -148,9 +148,15 @@ def _deferred_bwd(impl, tiling, res, dy):
 _deferred.defvjp(_deferred_fwd, _deferred_bwd)
 
 
-def grouped_matmul(x, w, tile_group, *, impl: str = "xla", tiling=None):
+def grouped_matmul(x, w, tile_group, *, impl: str = "xla", tiling=None, layout: TileLayout | None = None):
     """`tiling` (a pallas_kernels.grouped_matmul.GroupedTiling, 'pallas' only) overrides the default launch. w may be
-    a DeferredWgrad (its gradient then comes through the taps)."""
+    a DeferredWgrad (its gradient then comes through the taps). With `layout`, x [N, in] holds the tokens and the
+    result is that of gather_rows(x, layout.src, layout.dst): the 'pallas' kernel reads the rows in place."""
+    if layout is not None:
+        if impl == "pallas" and not isinstance(w, DeferredWgrad):
+            from pallas_kernels import grouped_matmul as k
+            return k.grouped_matmul(x, w, tile_group, tiling=tiling, src=layout.src, dst=layout.dst)
+        x = gather_rows(x, layout.src, layout.dst)
     if isinstance(w, DeferredWgrad):
         if w.x.shape != x.shape or w.dy.shape != (x.shape[0], w.weight.shape[1]) or w.tiles.shape != tile_group.shape:
             raise ValueError(f"grouped_matmul: the deferred-gradient taps x {w.x.shape}, dy {w.dy.shape}, tiles "
