@@ -62,9 +62,9 @@ class CCAProjection(nnx.Module):
 
     def __call__(self, x, *, conv_mask=None, state: CCAState | None = None, segment_ids=None, exchange=None):
         """x: [B, T, D] (compute dtype). Returns qk [B,T,H+KV,d] (the query heads, then the key heads), v [B,T,KV,d]
-        and the CCAState at the
-        end of this chunk (for caches and context-parallel neighbours). With segment_ids [B, T] (packed documents
-        with resets) every document starts as a sequence does: zero conv halo, zero delayed-value input.
+        and the CCAState at the end of this chunk (for caches and context-parallel neighbours). With segment_ids
+        [B, T] (packed documents with resets) every document starts as a sequence does: zero conv halo, zero
+        delayed-value input.
 
         exchange(tail, start) -> CCAState (context parallelism, zaya_jax/parallel/context.py) replaces `state`:
         given this chunk's own boundary state `tail` and the sequence-start state `start`, it returns the state
