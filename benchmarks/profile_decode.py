@@ -108,13 +108,34 @@ def kernel_tables(run, dump: str, units: int, unit: str, top: int) -> dict:
                 for k, v in sorted(table.items(), key=lambda kv: -kv[1][0])[:top]]
 
     return {f"kernel_ms_per_{unit}": sum(v[0] for v in per_op.values()) / 1e6 / units,
-            f"kernels_per_{unit}": len(ops) / units, "lines": lines, "top_ops": rows(per_op, "op"),
+            f"kernels_per_{unit}": len(ops) / units, "lines": lines, "idle": idle_time(ops, units, unit),
+            "top_ops": rows(per_op, "op"),
             "top_sources": rows(per_source, "source"),
             # what the source table could not name, to debug its lookup: the programs of the trace against the
             # modules dumped, and the costliest unnamed kernels
             "source_lookup": dict(dumped_modules=len(sources), traced_programs=sorted({e.program_id for e in ops}
                                                                                        - {None})[:20],
                                   dumped_ids=sorted(sources)[:20], unnamed=[k for k, _ in unmatched.most_common(8)])}
+
+
+def idle_time(ops, units: int, unit: str, top: int = 8) -> dict:
+    """Where the GPU waited within the traced run: the span from the first kernel's start to the last one's end,
+    the time in it when no kernel ran (gaps between kernels: launches the host did not issue ahead), and the largest
+    gaps with the kernels on either side. A wall time above the span is host work before or after the kernels."""
+    if not ops:
+        return {}
+    ops = sorted(ops, key=lambda e: e.start_ns)
+    first, busy_end, idle, gaps = ops[0].start_ns, ops[0].start_ns + ops[0].duration_ns, 0.0, []
+    before = ops[0]
+    for e in ops[1:]:
+        if e.start_ns > busy_end:
+            idle += e.start_ns - busy_end
+            gaps.append((e.start_ns - busy_end, before.name, e.name))
+        if e.start_ns + e.duration_ns >= busy_end:
+            busy_end, before = e.start_ns + e.duration_ns, e
+    gaps.sort(reverse=True)
+    return {f"span_ms_per_{unit}": (busy_end - first) / 1e6 / units, f"idle_in_span_ms_per_{unit}": idle / 1e6 / units,
+            "largest_gaps": [dict(us=round(g / 1e3, 1), after=a, before=b) for g, a, b in gaps[:top]]}
 
 
 def kernel_name(instruction: str) -> str:

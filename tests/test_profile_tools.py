@@ -55,3 +55,19 @@ def test_kernels_named_as_a_gpu_names_them_find_their_source_lines(tmp_path, mon
     sources = {row["source"]: row["ms_per_call"] for row in tables["top_sources"]}
     assert sources[names[profile_decode.kernel_name(dotted)]] == 0.002 and sources["(no project frame)"] == 0.001
     assert tables["source_lookup"]["unnamed"] == ["nvjet_gemm"]
+
+
+def test_idle_time_counts_the_gaps_between_kernels_once():
+    """Overlapping kernels (two streams) leave no gap; the gaps and the span per unit, the largest first."""
+    from benchmarks import profile_decode
+    from benchmarks.systems import profile_trace
+
+    def op(name, start_us, dur_us, line="Stream #1"):
+        return profile_trace.OpEvent("/device:GPU:0", line, name, None, "m", start_us * 1e3, dur_us * 1e3)
+
+    ops = [op("a", 0, 10), op("b", 5, 10, "Stream #2"), op("c", 18, 2), op("d", 30, 5)]
+    idle = profile_decode.idle_time(ops, 2, "call")
+    assert idle["span_ms_per_call"] == 35e-3 / 2 and idle["idle_in_span_ms_per_call"] == 13e-3 / 2
+    assert idle["largest_gaps"] == [dict(us=10.0, after="c", before="d"), dict(us=3.0, after="b", before="c")]
+    assert profile_decode.idle_time([], 1, "call") == {}
+
