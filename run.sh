@@ -38,7 +38,7 @@ ensure_newest_venv() {  # what a plain `pip install -e ".[test]"` resolves: the 
 
 # test-newest's files: the model, kernels, parallelism and training on the newest jax, leaving out files whose
 # paths another listed file already compiles (kept to about 10-15 minutes on 2 cores)
-NEWEST_TESTS=(tests/test_parallel_train.py tests/test_parallel_context.py tests/test_pallas_attention.py tests/test_train.py tests/test_pallas_grouped_matmul.py tests/test_pallas_cca_conv.py tests/test_parallel_zero1.py tests/test_pallas_rmsnorm.py tests/test_pallas_softmax_xent.py tests/test_pallas_balancing_solve.py tests/test_muon.py tests/test_symmetric_matmul.py tests/test_activations.py tests/test_unrolled_layers.py tests/test_parallel_mesh.py tests/test_parallel_distributed.py tests/test_checkpoint_manager.py tests/test_loss.py tests/test_bf16_forward.py)
+NEWEST_TESTS=(tests/test_parallel_train.py tests/test_parallel_context.py tests/test_pallas_attention.py tests/test_train.py tests/test_pallas_grouped_matmul.py tests/test_pallas_cca_conv.py tests/test_parallel_zero1.py tests/test_pallas_rmsnorm.py tests/test_pallas_qk_norm_rope.py tests/test_pallas_softmax_xent.py tests/test_pallas_balancing_solve.py tests/test_muon.py tests/test_symmetric_matmul.py tests/test_activations.py tests/test_unrolled_layers.py tests/test_parallel_mesh.py tests/test_parallel_distributed.py tests/test_checkpoint_manager.py tests/test_loss.py tests/test_bf16_forward.py)
 
 ensure_ref_venv() {  # the Hugging Face reference: PyTorch (CPU) + transformers >= 5.23, used by the parity tests,
   # and lm_eval with its hf backend (tests/test_lm_eval_hf_backend.py)
