@@ -1,7 +1,8 @@
 """The greedy decode loop compiled under several sets of XLA compiler options, timed in one process on the same
-weights and prompt: which options make a single-token step's many small kernels cheaper (concurrent regions in the
-command buffer, Triton fusions of the reductions). Per variant: the median over repeats of the decode loop alone
-(the prefill is run before each repeat and not timed), as ms per token, and an error if XLA refused the options.
+weights and prompt: which options make a single-token step's many small kernels cheaper (command buffers off, or
+capturing the loop and the custom calls too; concurrent regions in the command buffer; Triton fusions of the
+reductions). Per variant: the median over repeats of the decode loop alone (the prefill is run before each repeat
+and not timed), as ms per token, and an error if XLA refused the options.
 
 python -m benchmarks.decode_compiler_options [--preset zaya1_8b] [--batch 1] [--prompt 512] [--new-tokens 64]
                                              [--repeats 5] [--variants base,concurrent,...] [--out FILE.json]"""
@@ -24,6 +25,11 @@ from zaya_jax.inference.sampling import GREEDY
 
 VARIANTS = {
     "base": {},
+    # whether the step's kernels are replayed from CUDA graphs at all, and with the loop and every custom call (the
+    # Pallas kernels) captured too: a batch-1 step is ~1200 small kernels, so launches may bound it
+    "no_command_buffer": {"xla_gpu_enable_command_buffer": ""},
+    "command_buffer_all": {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
+                           "xla_gpu_graph_min_graph_size": 1},
     "concurrent": {"xla_gpu_graph_enable_concurrent_region": True},
     "triton_softmax": {"xla_gpu_experimental_enable_triton_softmax_priority_fusion": True},
     "heroless": {"xla_gpu_experimental_enable_triton_heroless_priority_fusion": True},
