@@ -28,8 +28,9 @@ VARIANTS = {
     # whether the step's kernels are replayed from CUDA graphs at all, and with the loop and every custom call (the
     # Pallas kernels) captured too: a batch-1 step is ~1200 small kernels, so launches may bound it
     "no_command_buffer": {"xla_gpu_enable_command_buffer": ""},
-    "command_buffer_all": {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
-                           "xla_gpu_graph_min_graph_size": 1},
+    "command_buffer_all": {
+        "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
+        "xla_gpu_graph_min_graph_size": 1},
     "concurrent": {"xla_gpu_graph_enable_concurrent_region": True},
     "triton_softmax": {"xla_gpu_experimental_enable_triton_softmax_priority_fusion": True},
     "heroless": {"xla_gpu_experimental_enable_triton_heroless_priority_fusion": True},

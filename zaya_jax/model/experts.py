@@ -1,15 +1,16 @@
 """Dropless top-1 SwiGLU experts. gate_up_proj [E, 2I, D] (rows [0, I) gate, [I, 2I) up), down_proj [E, D, I].
 
-'ragged': tokens sorted by expert, two grouped GEMMs through lax.ragged_dot_general (contracting the stored
-[out, in] weights directly), unsorted by a gather. 'pallas': a layout where every expert's rows fill whole row
-tiles, two grouped GEMM kernels (pallas_kernels.grouped_matmul; XLA lowers ragged_dot on GPU to a dense dot over all
-experts), the first reading the tokens' rows into the layout as it loads them, the result gathered back. 'dense':
-every expert on every token, a one-hot select (the reference the tests pin the others against). 'decode' (a decode step's few tokens): at most E / 2 tokens gather their own
-expert's weights and apply them alone; up to DENSE_DECODE_TOKENS run 'dense', which reads each weight once in its
-stored layout and stays bound by those bytes rather than by its E-fold products (a GPU does a few hundred bf16
-products per byte it reads); more run 'ragged'. In a decode step the grouped paths cost more than the weights' bytes:
-XLA copies the layer's slice of the stacked weights and transposes the down projection before its grouped GEMM,
-every step. A token routed to the skip class (index E) gets a zero output, as in the Hugging Face reference."""
+'ragged': tokens sorted by expert, two grouped GEMMs through lax.ragged_dot_general (contracting the stored [out,
+in] weights directly), unsorted by a gather. 'pallas': a layout where every expert's rows fill whole row tiles, two
+grouped GEMM kernels (pallas_kernels.grouped_matmul; XLA lowers ragged_dot on GPU to a dense dot over all experts),
+the first reading the tokens' rows into the layout as it loads them, the result gathered back. 'dense': every expert
+on every token, a one-hot select (the reference the tests pin the others against). 'decode' (a decode step's few
+tokens): at most E / 2 tokens gather their own expert's weights and apply them alone; up to DENSE_DECODE_TOKENS run
+'dense', which reads each weight once in its stored layout and stays bound by those bytes rather than by its E-fold
+products (a GPU does a few hundred bf16 products per byte it reads); more run 'ragged'. In a decode step the grouped
+paths cost more than the weights' bytes: XLA copies the layer's slice of the stacked weights and transposes the down
+projection before its grouped GEMM, every step. A token routed to the skip class (index E) gets a zero output, as in
+the Hugging Face reference."""
 
 from __future__ import annotations
 
