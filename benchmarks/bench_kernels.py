@@ -2,8 +2,8 @@
 
 Measures the bf16 GEMM and copy-bandwidth ceilings, sweeps the launch parameters of the fused norm and the
 attention kernels (to guide the per-platform tables in pallas_kernels/platform.py), then times norms, attention,
-CCA's depthwise convolution and its QK norm + RoPE with the library defaults (Pallas vs XLA, and cuDNN on NVIDIA) at ZAYA1 shapes and
-writes everything to a JSON file with a `ratios` summary (of the parts that ran). See benchmarks/kernels/bench.py for
+CCA's depthwise convolution and its QK norm + RoPE with the library defaults (Pallas vs XLA, and cuDNN on NVIDIA)
+at ZAYA1 shapes and writes everything to a JSON file with a `ratios` summary (of the parts that ran). See benchmarks/kernels/bench.py for
 how timings are taken.
 """
 
@@ -124,8 +124,8 @@ def main():
                       cca_conv_fwdbwd_vs_copy_bandwidth=report["cca_conv"][0]["pallas_fwdbwd_vs_copy"])
     if "qk_norm_rope" in parts:  # scoring (32 x 1024), training (2 x 4096), decode at batch 64 and 1
         print("cca qk norm + rope", flush=True)
-        qk_shapes = ([(1, 64, 8, 2, 128, 32)] if args.quick else
-                     [(32, 1024, 8, 2, 128, 32), (2, 4096, 8, 2, 128, 32), (64, 1, 8, 2, 128, 32), (1, 1, 8, 2, 128, 32)])
+        qk_shapes = [(B, T, 8, 2, 128, 32) for B, T in ([(1, 64)] if args.quick else
+                                                         [(32, 1024), (2, 4096), (64, 1), (1, 1)])]
         report["qk_norm_rope"] = bench.bench_qk_norm_rope(qk_shapes, copy, sweep=() if args.no_sweep else QK_TILES)
         ratios.update(qk_norm_rope_fwd_vs_xla=report["qk_norm_rope"][0]["fwd_speedup_vs_xla"],
                       qk_norm_rope_decode_b1_fwd_vs_xla=report["qk_norm_rope"][-1]["fwd_speedup_vs_xla"])

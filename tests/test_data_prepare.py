@@ -60,13 +60,18 @@ def written(tmp_path) -> dict:
     return {p.name: p.read_bytes() for p in tmp_path.glob("out*")}
 
 
-def test_cli_refuses_a_non_string_text_field_and_keeps_the_old_output(tmp_path, capsys):
-    src = tmp_path / "docs.jsonl"
-    src.write_text('{"text": "hello"}\n')
+def prepared_once(tmp_path, capsys, name: str, text: str):
+    """A first dataset prepared from tmp_path/name holding text: (that source, the output prefix, its files)."""
+    src = tmp_path / name
+    src.write_text(text)
     out = str(tmp_path / "out")
     assert prepare_main([str(src), "--output-prefix", out]) == 0
-    before = written(tmp_path)
     capsys.readouterr()
+    return src, out, written(tmp_path)
+
+
+def test_cli_refuses_a_non_string_text_field_and_keeps_the_old_output(tmp_path, capsys):
+    src, out, before = prepared_once(tmp_path, capsys, "docs.jsonl", '{"text": "hello"}\n')
     for value, kind in (("null", "null"), ("5", "a number")):  # were the documents "None" and "5"
         src.write_text(f'{{"text": "hello"}}\n{{"text": {value}}}\n')
         assert prepare_main([str(src), "--output-prefix", out]) == 1
@@ -76,12 +81,7 @@ def test_cli_refuses_a_non_string_text_field_and_keeps_the_old_output(tmp_path, 
 
 
 def test_cli_refuses_inputs_without_a_document_and_keeps_the_old_output(tmp_path, capsys):
-    src = tmp_path / "docs.txt"
-    src.write_text("hello")
-    out = str(tmp_path / "out")
-    assert prepare_main([str(src), "--output-prefix", out]) == 0
-    before = written(tmp_path)
-    capsys.readouterr()
+    src, out, before = prepared_once(tmp_path, capsys, "docs.txt", "hello")
     src.write_text("")
     assert prepare_main([str(src), "--output-prefix", out]) == 1
     assert capsys.readouterr().err == "prepare_data: the inputs hold no document to train on (every one is empty); " \

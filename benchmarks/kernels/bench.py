@@ -445,5 +445,5 @@ def device_summary() -> dict:
 __all__ = ["PASS_FLOPS", "attempt", "AttentionBlocks", "AttentionPassProblem", "NormLaunch", "attention_flops",
            "attention_pass_problem", "bench_attention", "bench_norms", "norm_problem", "time_attention_pass",
            "time_merge_fwd_bwd", "time_norm_pass",
-           "bench_qk_norm_rope", "copy_ceiling_tbps", "device_summary", "gemm_ceiling_tflops", "sweep_attention_blocks",
-           "sweep_norm_launch", "time_call"]
+           "bench_qk_norm_rope", "copy_ceiling_tbps", "device_summary", "gemm_ceiling_tflops",
+           "sweep_attention_blocks", "sweep_norm_launch", "time_call"]

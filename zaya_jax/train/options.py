@@ -207,13 +207,14 @@ def _schedule(o: OptimizerConfig, steps: int, *, given_total: bool) -> Optimizer
     if o.schedule != "constant" and o.warmup_steps > o.total_steps:
         raise TrainConfigError(f"optim.warmup_steps={o.warmup_steps} is longer than the schedule "
                                f"({o.total_steps} steps): lower --config.optim.warmup_steps")
-    if o.schedule == "wsd" and 0 <= o.decay_fraction < 1 and \
-            o.warmup_steps + cooldown_steps(o.total_steps, o.decay_fraction) > o.total_steps:
+    fits = lambda n: o.warmup_steps + cooldown_steps(n, o.decay_fraction) <= n  # noqa: E731
+    if o.schedule == "wsd" and 0 <= o.decay_fraction < 1 and not fits(o.total_steps):
         # the shortest schedule with room for both: the cooldown grows by decay_fraction per step, so one exists
-        shortest = next(n for n in range(o.total_steps, 10 ** 9) if o.warmup_steps + cooldown_steps(n, o.decay_fraction) <= n)
+        shortest = next(n for n in range(o.total_steps, 10 ** 9) if fits(n))
         raise TrainConfigError(
             f"a schedule of {o.total_steps} steps has no room for optim.warmup_steps={o.warmup_steps} and the "
-            f"cooldown (optim.decay_fraction={o.decay_fraction}: {cooldown_steps(o.total_steps, o.decay_fraction)} steps): set "
+            f"cooldown (optim.decay_fraction={o.decay_fraction}: "
+            f"{cooldown_steps(o.total_steps, o.decay_fraction)} steps): set "
             f"--config.{'train.steps' if follows else 'optim.total_steps'}={shortest} or more, or lower "
             "--config.optim.warmup_steps or --config.optim.decay_fraction")
     try:  # the schedule's and Muon's own checks (names, decay length, Newton-Schulz settings) before any model
