@@ -1,7 +1,12 @@
 """CCA's query/key mixing as Pallas kernels (Triton lowering; interpret mode on the CPU), with a custom VJP. Same
 contract and numerics as `zaya_jax.ops.cca_conv.qk_mix_reference` (the rounding points of the reference kept):
 
-    qk_mix(xp [B, T + P, C], w1 [C, t0], b1 [C], w2 [G, d, d, t1], b2 [C], heads, same_segment) -> [B, T, C]
+    qk_mix(xp [B, T + P, C'], w1 [C, t0], b1 [C], w2 [G, d, d, t1], b2 [C], heads, same_segment, zero_halo)
+        -> [B, T, C]
+
+with two liberties the reference does not take: the mixed channels may be the first C = G * d of a wider array (the
+decoder's and the scorer's fused q/k/v projection output, read in place instead of sliced), and with zero_halo x
+holds only the T positions, the P zero columns before t = 0 implied instead of concatenated (a sequence start).
 
 Forward, one kernel: a program owns `rows` time rows of one head's d channels (grid: batch x row tiles x heads). It
 reads the P + 1 shifted views of its input rows once, forms the t1 depthwise taps in fp32 (rounded as the reference
@@ -109,11 +114,12 @@ def _round(x, dtype):
     return x.astype(dtype).astype(F32)
 
 
-def _shifted_views(x_ref, m_ref, start, rows: int, *, P: int, T: int, offsets=None):
-    """{s: xp rows start + P - s .. (fp32), times same_segment[s] of the output rows} for s in offsets (0 .. P)."""
+def _shifted_views(x_ref, m_ref, start, rows: int, *, P: int, T: int, off: int, offsets=None):
+    """{s: the input at times start - s .. (fp32), times same_segment[s] of the output rows} for s in offsets
+    (0 .. P). x holds `off` halo rows before t = 0 (P, or 0 when the halo is implied zeros)."""
     views = {}
     for s in range(P + 1) if offsets is None else sorted(set(offsets)):
-        col = _load_rows(x_ref, start + P - s, rows, T + P)
+        col = _load_rows(x_ref, start + off - s, rows, T + off)
         if m_ref is not None and s:
             col = col * _load_mask(m_ref, s, start, rows, T)
         views[s] = col
@@ -150,13 +156,13 @@ def _head_specs(length: int, d: int, heads: int, kv: int, head_axis: int):
 
 
 # ------------------------------------------------------------------------------------------------------ forward
-def _fwd_kernel(x_ref, xkv_ref, *rest, t0, t1, P, T, rows, heads, group, has_seg, precision):
+def _fwd_kernel(x_ref, xkv_ref, *rest, t0, t1, P, T, off, rows, heads, group, has_seg, precision):
     xq_refs, (w1_ref, b1_ref, w2_ref, b2_ref), rest = rest[:group], rest[group:group + 4], rest[group + 4:]
     m_ref, o_ref = (rest[0], rest[1]) if has_seg else (None, rest[0])
     dt = o_ref.dtype
     g = pl.program_id(2)
     start = pl.program_id(1) * rows
-    views = _shifted_views(x_ref, m_ref, start, rows, P=P, T=T)
+    views = _shifted_views(x_ref, m_ref, start, rows, P=P, T=T, off=off)
     z = b2_ref[...][None, :]
     for j in range(t1):
         y = _tap(views, w1_ref, b1_ref, j, t0=t0, t1=t1, dtype=dt).astype(dt)
@@ -166,21 +172,21 @@ def _fwd_kernel(x_ref, xkv_ref, *rest, t0, t1, P, T, rows, heads, group, has_seg
 
     @pl.when(g < heads)
     def _query_head():
-        res = _query_residual(own, _load_rows(xkv_ref, start + P, rows, T + P), dt)
+        res = _query_residual(own, _load_rows(xkv_ref, start + off, rows, T + off), dt)
         _store_rows(o_ref, start, z + res, T)
 
     @pl.when(g >= heads)
     def _kv_head():
-        total = sum(_query_residual(_load_rows(q_ref, start + P, rows, T + P), own, dt) for q_ref in xq_refs)
+        total = sum(_query_residual(_load_rows(q_ref, start + off, rows, T + off), own, dt) for q_ref in xq_refs)
         _store_rows(o_ref, start, z + _round(total / group, dt), T)
 
 
-def _forward(xp, w1, b1, w2, b2, masks, *, heads: int):
-    B, Tp, C = xp.shape
+def _forward(xp, w1, b1, w2, b2, masks, *, heads: int, off: int):
+    B, Tp, _ = xp.shape
     G, d, _, t1 = w2.shape
-    t0 = w1.shape[1]
+    C, t0 = G * d, w1.shape[1]
     P = halo(t0, t1)
-    T = Tp - P
+    T = Tp - off
     rows, warps, _, _ = _head_tiles(T)
     x, w1t, b1f, w2t, b2f, m = vma.vary_to_union(xp, _tap_weights(w1), b1.astype(F32), _per_tap(w2),
                                                    b2.astype(F32), masks)
@@ -193,8 +199,8 @@ def _forward(xp, w1, b1, w2, b2, masks, *, heads: int):
         in_specs.append(pl.BlockSpec((m.shape[0], None, T), lambda n, i, g: (0, n, 0)))
         args.append(m)
     return pl.pallas_call(
-        functools.partial(_fwd_kernel, t0=t0, t1=t1, P=P, T=T, rows=rows, heads=heads, group=len(group_heads),
-                          has_seg=m is not None, precision=platform.dot_precision(xp.dtype)),
+        functools.partial(_fwd_kernel, t0=t0, t1=t1, P=P, T=T, off=off, rows=rows, heads=heads,
+                          group=len(group_heads), has_seg=m is not None, precision=platform.dot_precision(xp.dtype)),
         grid=(B, pl.cdiv(T, rows), G),
         in_specs=in_specs,
         out_specs=_head_spec(T, d, head_axis=2),
@@ -216,7 +222,8 @@ def _per_tap(w2):
 
 
 # ------------------------------------------------------------------------------- backward (A): grouped convolution
-def _bwd_grouped_kernel(x_ref, do_ref, w1_ref, b1_ref, w2_ref, *rest, t0, t1, P, T, rows, chunks, has_seg, precision):
+def _bwd_grouped_kernel(x_ref, do_ref, w1_ref, b1_ref, w2_ref, *rest, t0, t1, P, T, off, rows, chunks, has_seg,
+                        precision):
     m_ref, rest = (rest[0], rest[1:]) if has_seg else (None, rest)
     dy_ref, dw2_ref, db2_ref = rest
     dt = dy_ref.dtype
@@ -229,7 +236,7 @@ def _bwd_grouped_kernel(x_ref, do_ref, w1_ref, b1_ref, w2_ref, *rest, t0, t1, P,
         def step(n, carry):
             start = (c + n * chunks) * rows
             dout = _load_rows(do_ref, start, rows, T).astype(dt)  # zero past T: those rows add nothing
-            views = _shifted_views(x_ref, m_ref, start, rows, P=P, T=T,
+            views = _shifted_views(x_ref, m_ref, start, rows, P=P, T=T, off=off,
                                    offsets=[tap_offset(j, i, t0, t1) for i in range(t0)])
             y = _tap(views, w1_ref, b1_ref, j, t0=t0, t1=t1, dtype=dt).astype(dt)
             _store_rows(dy_ref, start, lax.dot_general(dout, w2, _NN, precision=precision,
@@ -246,13 +253,13 @@ def _bwd_grouped_kernel(x_ref, do_ref, w1_ref, b1_ref, w2_ref, *rest, t0, t1, P,
         pl.when(tap == j)(functools.partial(run, j))
 
 
-def _backward_grouped(xp, w1, b1, w2, masks, dout):
+def _backward_grouped(xp, w1, b1, w2, masks, dout, *, off: int):
     """-> (d y [t1, B, T, C] in xp.dtype, d w2 [G, d, d, t1] fp32, d b2 [C] fp32)."""
-    B, Tp, C = xp.shape
+    B, Tp, _ = xp.shape
     G, d, _, t1 = w2.shape
-    t0 = w1.shape[1]
+    C, t0 = G * d, w1.shape[1]
     P = halo(t0, t1)
-    T = Tp - P
+    T = Tp - off
     rows, _, warps, stages = _head_tiles(T)
     n_tiles = pl.cdiv(T, rows)
     per_cu = _PROGRAMS_PER_CU[platform.vendor()]
@@ -272,7 +279,7 @@ def _backward_grouped(xp, w1, b1, w2, masks, dout):
     out_shape = [vma.out_struct((t1, B, T, C), xp.dtype, x), vma.out_struct((B, chunks, t1, G, d, d), F32, x),
                  vma.out_struct((B, chunks, C), F32, x)]
     dy, dw2, db2 = pl.pallas_call(
-        functools.partial(_bwd_grouped_kernel, t0=t0, t1=t1, P=P, T=T, rows=rows, chunks=chunks,
+        functools.partial(_bwd_grouped_kernel, t0=t0, t1=t1, P=P, T=T, off=off, rows=rows, chunks=chunks,
                           has_seg=m is not None, precision=platform.dot_precision(xp.dtype)),
         grid=(B, G, chunks, t1),
         in_specs=in_specs,
@@ -286,23 +293,23 @@ def _backward_grouped(xp, w1, b1, w2, masks, dout):
 
 
 # ------------------------------------------------------------------ backward (B): depthwise conv and residual paths
-def _bwd_depthwise_kernel(x_ref, w_ref, *rest, t0, t1, P, T, rows, heads, group, has_seg):
+def _bwd_depthwise_kernel(x_ref, w_ref, *rest, t0, t1, T, off, rows, heads, group, has_seg):
     dy_refs, (do_ref, dokv_ref), rest = rest[:t1], rest[t1:t1 + 2], rest[t1 + 2:]
     doq_refs, rest = rest[:group], rest[group:]
     m_ref = rest[0] if has_seg else None
     dx_ref, db_ref, *dw_refs = rest[1:] if has_seg else rest
     dt = dx_ref.dtype
     g = pl.program_id(2)
-    start = pl.program_id(1) * rows  # this program's rows u of d xp
-    x = _load_rows(x_ref, start, rows, T + P)
+    start = pl.program_id(1) * rows  # this program's rows u of d xp, at times u - off
+    x = _load_rows(x_ref, start, rows, T + off)
     dx = jnp.zeros(x.shape, F32)
     dw = [jnp.zeros(x.shape[1:], F32) for _ in range(t0)]
     for j in range(t1):
         for i in range(t0):
             s = tap_offset(j, i, t0, t1)
-            gj = _load_rows(dy_refs[j], start - P + s, rows, T)  # dy_j at t = u - P + s
+            gj = _load_rows(dy_refs[j], start - off + s, rows, T)  # dy_j at t = u - off + s
             if has_seg and s:
-                gj = gj * _load_mask(m_ref, s, start - P + s, rows, T)
+                gj = gj * _load_mask(m_ref, s, start - off + s, rows, T)
             dx = dx + gj * w_ref[i, :].astype(F32)[None, :]
             dw[i] = dw[i] + jnp.sum(x * gj, axis=0)
     db = jnp.zeros(x.shape[1:], F32)
@@ -313,28 +320,28 @@ def _bwd_depthwise_kernel(x_ref, w_ref, *rest, t0, t1, P, T, rows, heads, group,
         dw_refs[i][...] = dw[i]
     dx = _round(dx, dt)
 
-    # The mean residual paths (rows u = P + t are the projections), rounded as the reference rounds them: a query
+    # The mean residual paths (rows u = off + t are the projections), rounded as the reference rounds them: a query
     # head gets d q_res / 2, d q_res its own output's gradient plus its share of its KV head's mean; a KV head the
     # sum of that over its query heads (the transpose of the repeat). Added to the convolutions' gradient in dt.
     def d_qres_half(dq_ref, dk_share):
-        return _round(_round(_load_rows(dq_ref, start - P, rows, T) + dk_share, dt) * 0.5, dt)
+        return _round(_round(_load_rows(dq_ref, start - off, rows, T) + dk_share, dt) * 0.5, dt)
 
     @pl.when(g < heads)
     def _query_head():
-        share = _round(_load_rows(dokv_ref, start - P, rows, T) / group, dt)
-        _store_rows(dx_ref, start, dx + d_qres_half(do_ref, share), T + P)
+        share = _round(_load_rows(dokv_ref, start - off, rows, T) / group, dt)
+        _store_rows(dx_ref, start, dx + d_qres_half(do_ref, share), T + off)
 
     @pl.when(g >= heads)
     def _kv_head():
-        share = _round(_load_rows(do_ref, start - P, rows, T) / group, dt)
-        _store_rows(dx_ref, start, dx + _round(sum(d_qres_half(q_ref, share) for q_ref in doq_refs), dt), T + P)
+        share = _round(_load_rows(do_ref, start - off, rows, T) / group, dt)
+        _store_rows(dx_ref, start, dx + _round(sum(d_qres_half(q_ref, share) for q_ref in doq_refs), dt), T + off)
 
 
 def _backward_depthwise(xp, w1, masks, dy, dout, *, heads: int, num_heads: int):
-    """-> (d xp [B, T + P, C] in xp.dtype, d w1 [C, t0] fp32, d b1 [C] fp32)."""
-    B, Tp, C = xp.shape
-    T, t0, t1 = dout.shape[1], w1.shape[1], dy.shape[0]
-    P = Tp - T
+    """-> (d xp [B, T + off, C] in xp.dtype (the mixed channels only), d w1 [C, t0] fp32, d b1 [C] fp32)."""
+    B, Tp, _ = xp.shape
+    T, C, t0, t1 = dout.shape[1], dout.shape[2], w1.shape[1], dy.shape[0]
+    off = Tp - T
     G, d = num_heads, C // num_heads
     rows, warps = _DW_TILES[platform.vendor()]
     rows = _fit_rows(rows, T)
@@ -351,7 +358,7 @@ def _backward_depthwise(xp, w1, masks, dy, dout, *, heads: int, num_heads: int):
         args.append(m)
     part = pl.BlockSpec((None, None, d), lambda n, i, h: (n, i, h))
     outs = pl.pallas_call(
-        functools.partial(_bwd_depthwise_kernel, t0=t0, t1=t1, P=P, T=T, rows=rows, heads=heads,
+        functools.partial(_bwd_depthwise_kernel, t0=t0, t1=t1, T=T, off=off, rows=rows, heads=heads,
                           group=len(group_heads), has_seg=m is not None),
         grid=(B, nU, G),
         in_specs=in_specs,
@@ -364,19 +371,21 @@ def _backward_depthwise(xp, w1, masks, dy, dout, *, heads: int, num_heads: int):
 
 
 # -------------------------------------------------------------------------------------------------- custom VJP
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _mix(xp, w1, b1, w2, b2, masks, heads):
-    return _forward(xp, w1, b1, w2, b2, masks, heads=heads)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _mix(xp, w1, b1, w2, b2, masks, heads, off):
+    return _forward(xp, w1, b1, w2, b2, masks, heads=heads, off=off)
 
 
-def _mix_fwd(xp, w1, b1, w2, b2, masks, heads):
-    return _mix(xp, w1, b1, w2, b2, masks, heads), (xp, w1, b1, w2, b2, masks)
+def _mix_fwd(xp, w1, b1, w2, b2, masks, heads, off):
+    return _mix(xp, w1, b1, w2, b2, masks, heads, off), (xp, w1, b1, w2, b2, masks)
 
 
-def _mix_bwd(heads, res, dout):
+def _mix_bwd(heads, off, res, dout):
     xp, w1, b1, w2, b2, masks = res
-    dy, dw2, db2 = _backward_grouped(xp, w1, b1, w2, masks, dout)
+    dy, dw2, db2 = _backward_grouped(xp, w1, b1, w2, masks, dout, off=off)
     dx, dw1, db1 = _backward_depthwise(xp, w1, masks, dy, dout, heads=heads, num_heads=w2.shape[0])
+    if dx.shape[-1] < xp.shape[-1]:  # channels past the mixed ones (a fused projection's values) get no gradient
+        dx = jnp.pad(dx, ((0, 0), (0, 0), (0, xp.shape[-1] - dx.shape[-1])))
     return (vma.sum_to_type_of(dx, xp), vma.sum_to_type_of(dw1.astype(w1.dtype), w1),
             vma.sum_to_type_of(db1.astype(b1.dtype), b1), vma.sum_to_type_of(dw2.astype(w2.dtype), w2),
             vma.sum_to_type_of(db2.astype(b2.dtype), b2), None if masks is None else jnp.zeros_like(masks))
@@ -394,21 +403,22 @@ def _masks(same_segment, P: int):
     return jnp.stack(rows)
 
 
-def qk_mix(xp, w1, b1, w2, b2, heads: int, same_segment=None):
-    B, Tp, C = xp.shape
+def qk_mix(xp, w1, b1, w2, b2, heads: int, same_segment=None, zero_halo: bool = False):
+    B, Tp, width = xp.shape
     G, d, d_in, t1 = w2.shape
-    t0 = w1.shape[1]
+    C, t0 = G * d, w1.shape[1]
     P = halo(t0, t1)
+    off = 0 if zero_halo else P
     problems = []
-    if w1.shape != (C, t0) or b1.shape != (C,) or b2.shape != (C,) or G * d != C or d_in != d:
-        problems.append(f"need w1 [C, t0], b1 [C], w2 [G, d, d, t1], b2 [C] with C = G * d = {C}; got w1 {w1.shape}, "
-                        f"b1 {b1.shape}, w2 {w2.shape}, b2 {b2.shape}")
+    if w1.shape != (C, t0) or b1.shape != (C,) or b2.shape != (C,) or d_in != d or width < C:
+        problems.append(f"need w1 [C, t0], b1 [C], w2 [G, d, d, t1], b2 [C] with C = G * d <= {width} channels of xp; "
+                        f"got w1 {w1.shape}, b1 {b1.shape}, w2 {w2.shape}, b2 {b2.shape}")
     if not 0 < heads < G or heads % (G - heads):
         problems.append(f"{heads} query heads of {G} heads: the rest ({G - heads}) must be KV heads dividing them")
     if d < 16 or d & (d - 1):
         problems.append(f"the head width {d} must be a power of two >= 16 (a Triton matmul tile)")
-    if Tp <= P:
+    if Tp <= off:
         problems.append(f"xp has {Tp} positions, not more than the {P} halo columns")
     if problems:
         raise ValueError("cca qk_mix (pallas): " + "; ".join(problems))
-    return _mix(xp, w1, b1, w2, b2, _masks(same_segment, P), int(heads))
+    return _mix(xp, w1, b1, w2, b2, _masks(same_segment, P), int(heads), off)

@@ -62,6 +62,32 @@ def test_kernels_match_the_reference(B, T, heads, kv, d, t0, t1, segments, dtype
         assert rel_err(g.astype(jnp.float32), g_ref.astype(jnp.float32)) <= TOL[dtype], name
 
 
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_an_implied_zero_halo_on_a_wider_input_equals_the_concatenated_one(impl):
+    """zero_halo over the first C channels of a wider array (a fused projection's output read in place) against the
+    halo concatenated as zeros over exactly C channels: the same output; the same gradients on the T positions and
+    none for the extra channels (the halo rows' gradient is the concatenated input's own)."""
+    B, T, heads, kv, d, t0, t1 = 2, 37, 4, 2, 16, 3, 2
+    (xp, w1, b1, w2, b2), _, same, ct = problem(5, B, T, heads, kv, d, t0, t1, True, jnp.float32)
+    P_, C = halo(t0, t1), (heads + kv) * d
+    x = jnp.concatenate([xp[:, P_:], jax.random.normal(jax.random.key(9), (B, T, 24))], axis=-1)
+    padded = jnp.pad(x[..., :C], ((0, 0), (P_, 0), (0, 0)))
+
+    def run(x, zero_halo):
+        def loss(*weights):
+            out = qk_mix(*weights, heads, same, impl=impl, zero_halo=zero_halo)
+            return (out * ct).sum(), out
+        return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(5)), has_aux=True))(x, w1, b1, w2, b2)
+
+    (_, out), grads = run(x, True)
+    (_, out_ref), grads_ref = run(padded, False)
+    assert jnp.array_equal(out, out_ref)
+    assert rel_err(grads[0][..., :C], grads_ref[0][:, P_:]) <= TOL[jnp.float32]
+    assert not grads[0][..., C:].any()
+    for g, g_ref in zip(grads[1:], grads_ref[1:]):
+        assert rel_err(g, g_ref) <= TOL[jnp.float32]
+
+
 def test_shapes_that_do_not_fit_are_rejected_and_unknown_impls_named():
     (xp, w1, b1, w2, b2), heads, _, _ = problem(0, 1, 8, 2, 1, 16, 2, 2, False, jnp.float32)
     with pytest.raises(ValueError, match=r"need w1 \[C, t0\]"):

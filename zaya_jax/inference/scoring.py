@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from zaya_jax.inference.decoder import with_fused_projections
 from zaya_jax.inference.kernels import with_config, with_kernels
 from zaya_jax.model.compute_view import compute_view
 from zaya_jax.model.zaya import ZayaForCausalLM
@@ -118,6 +119,7 @@ class Scorer:
         # scan copies every layer's slice of the stacked weights in each call, and the unrolled forward fuses
         # each layer's last residual merge with the next norm
         model = with_config(model, model.cfg.replace(scan_layers=False, remat="none"))
+        model = with_fused_projections(model)
         self.graphdef, state = nnx.split(model)
         self.state = compute_view(state, per_layer=True)
         self._score = jax.jit(lambda state, *rows: _score_rows(self.graphdef, state, *rows))

@@ -51,14 +51,17 @@ class CCAProjection(nnx.Module):
         self.fused = None
 
     def project(self, x):
-        """q, k, v_cur, v_del of x [B, T, D]: through `fused` when the model holds it, else the four Linears."""
+        """(qk, v_cur, v_del) of x [B, T, D], qk's first (H + KV) * d channels the q and k heads: through `fused`
+        when the model holds it (qk is then its whole output, which the convolution kernel reads in place), else
+        the four Linears (qk = [q | k])."""
         if self.fused is None:
-            return self.q_proj(x), self.k_proj(x), self.v_proj_current(x), self.v_proj_delayed(x)
+            qk = jnp.concatenate([self.q_proj(x), self.k_proj(x)], axis=-1)
+            return qk, self.v_proj_current(x), self.v_proj_delayed(x)
         cfg = self.cfg
-        q_end = cfg.num_attention_heads * cfg.head_dim
-        k_end = q_end + cfg.num_key_value_heads * cfg.head_dim
+        k_end = (cfg.num_attention_heads + cfg.num_key_value_heads) * cfg.head_dim
         v_end = k_end + cfg.num_key_value_heads * cfg.head_dim // 2
-        return tuple(jnp.split(self.fused(x), [q_end, k_end, v_end], axis=-1))
+        out = self.fused(x)
+        return out, out[..., k_end:v_end], out[..., v_end:]
 
     def __call__(self, x, *, conv_mask=None, state: CCAState | None = None, segment_ids=None, exchange=None):
         """x: [B, T, D] (compute dtype). Returns qk [B,T,H+KV,d] (the query heads, then the key heads), v [B,T,KV,d]
@@ -76,21 +79,22 @@ class CCAProjection(nnx.Module):
         if conv_mask is not None:  # HF zeroes padded positions before any projection
             x = x * conv_mask[:, :, None].astype(dt)
 
-        q, k, v_cur, v_del = self.project(x)
-        qk = jnp.concatenate([q, k], axis=-1)  # channels [q heads | k heads]
-        P = cfg.conv_halo
+        qk, v_cur, v_del = self.project(x)
+        C, P = (H + KV) * d, cfg.conv_halo
         if exchange is not None:  # context parallel: the halo and delayed value come from the previous chunk
-            tail = CCAState(conv=qk[:, T - P:], value=v_del[:, -1])
+            tail = CCAState(conv=qk[:, T - P:, :C], value=v_del[:, -1])
             zeros = jnp.zeros((B, 1, x.shape[-1]), dt)
-            start = CCAState(conv=jnp.zeros((B, P, qk.shape[-1]), dt), value=self.v_proj_delayed(zeros)[:, 0])
+            start = CCAState(conv=jnp.zeros((B, P, C), dt), value=self.v_proj_delayed(zeros)[:, 0])
             state = exchange(tail, start)
-        prefix = jnp.zeros((B, P, qk.shape[-1]), dt) if state is None or state.conv is None else state.conv.astype(dt)
-        qk_padded = jnp.concatenate([prefix, qk], axis=1)
+        # at a sequence start the halo is zeros, which the convolution reads without their being concatenated
+        zero_halo = state is None or state.conv is None
+        prefix = jnp.zeros((B, P, C), dt) if zero_halo else state.conv.astype(dt)
+        qk_in = qk if zero_halo else jnp.concatenate([prefix, qk[..., :C]], axis=1)
         # both convolutions and the q/k mean residual paths (ops/cca_conv.py)
         w1 = self.conv_qk_depthwise.weight[...][:, 0, :]  # [C, t0]
         w2 = self.conv_qk_grouped.weight[...].astype(dt).reshape(H + KV, d, d, cfg.cca_time1)  # [head, out, in, tap]
-        mixed = conv_ops.qk_mix(qk_padded, w1, self.conv_qk_depthwise.bias[...], w2, self.conv_qk_grouped.bias[...],
-                                H, same_segment_masks(segment_ids, P), impl=cfg.conv_impl)
+        mixed = conv_ops.qk_mix(qk_in, w1, self.conv_qk_depthwise.bias[...], w2, self.conv_qk_grouped.bias[...],
+                                H, same_segment_masks(segment_ids, P), impl=cfg.conv_impl, zero_halo=zero_halo)
         if state is None or state.value is None:  # v_proj_delayed(0): zero, or the bias with attention_bias
             v0 = self.v_proj_delayed(jnp.zeros((B, 1, x.shape[-1]), dt))
         else:
@@ -102,7 +106,8 @@ class CCAProjection(nnx.Module):
             v_zero = self.v_proj_delayed(jnp.zeros((B, 1, x.shape[-1]), dt))
             v_prev = jnp.where(starts[..., None], v_zero, v_prev)
         v = jnp.concatenate([v_cur, v_prev], axis=-1).reshape(B, T, KV, d)
-        new_state = CCAState(conv=qk_padded[:, -P:] if P else qk_padded[:, :0], value=v_del[:, -1])
+        recent = jnp.concatenate([prefix, qk[:, max(T - P, 0):, :C]], axis=1)  # the last P + min(T, P) columns
+        new_state = CCAState(conv=recent[:, recent.shape[1] - P:], value=v_del[:, -1])
         return mixed.reshape(B, T, H + KV, d), v, new_state
 
 

@@ -1,10 +1,13 @@
 """CCA's query/key mixing: the two causal convolutions over time on the [q | k] channels and the q/k mean residual
 paths, as `CCAProjection` (zaya_jax/model/cca.py) and the Hugging Face reference compute them.
 
-    qk_mix(xp [B, T + P, C], w1 [C, t0], b1 [C], w2 [G, d, d, t1], b2 [C], heads, same_segment, impl) -> [B, T, C]
+    qk_mix(xp [B, T + P, C'], w1 [C, t0], b1 [C], w2 [G, d, d, t1], b2 [C], heads, same_segment, impl, zero_halo)
+        -> [B, T, C]
 
-C = G * d channels: `heads` query heads of d channels, then G - heads KV heads. xp carries P = (t0-1) + (t1-1) halo
-columns before t = 0 (the previous chunk's projections, or zeros at a sequence start). In xp's dtype:
+C = G * d channels: `heads` query heads of d channels, then G - heads KV heads, the first C of xp's C' >= C (a fused
+projection's output passes whole: the kernel reads the channels in place). xp carries P = (t0-1) + (t1-1) halo
+columns before t = 0 (the previous chunk's projections), or with zero_halo only the T positions of a sequence start,
+whose halo is zeros (the kernel reads them as zeros; nothing is concatenated). In xp's dtype:
 
     y_j[:, t] = b1 + sum_i w1[:, i] * xp[:, t + P - s] * same_segment[s][:, t]   (s = tap_offset(j, i); fp32, rounded)
     z[:, t, g] = b2[g] + sum_j (y_j[:, t, g] @ w2[g, :, :, j]^T)                    (each tap's GEMM rounded; fp32 sum)
@@ -58,8 +61,11 @@ def mean_residuals(q, k):
     return q_res, q_res.reshape(B, T, KV, H // KV, d).mean(axis=3)
 
 
-def qk_mix_reference(xp, w1, b1, w2, b2, heads: int, same_segment=None):
+def qk_mix_reference(xp, w1, b1, w2, b2, heads: int, same_segment=None, zero_halo: bool = False):
     G, d, _, t1 = w2.shape
+    xp = xp[..., :G * d]
+    if zero_halo:
+        xp = jnp.pad(xp, ((0, 0), (halo(w1.shape[1], t1), 0), (0, 0)))
     B, Tp, C = xp.shape
     T = Tp - halo(w1.shape[1], t1)
     dt = xp.dtype
@@ -73,10 +79,10 @@ def qk_mix_reference(xp, w1, b1, w2, b2, heads: int, same_segment=None):
     return (z.astype(dt) + jnp.concatenate([q_res, k_res], axis=2)).reshape(B, T, C)
 
 
-def qk_mix(xp, w1, b1, w2, b2, heads: int, same_segment=None, impl: str = "xla"):
+def qk_mix(xp, w1, b1, w2, b2, heads: int, same_segment=None, impl: str = "xla", zero_halo: bool = False):
     if impl == "xla":
-        return qk_mix_reference(xp, w1, b1, w2, b2, heads, same_segment)
+        return qk_mix_reference(xp, w1, b1, w2, b2, heads, same_segment, zero_halo)
     if impl == "pallas":
         from pallas_kernels.cca_conv import qk_mix as kernel
-        return kernel(xp, w1, b1, w2, b2, heads, same_segment)
+        return kernel(xp, w1, b1, w2, b2, heads, same_segment, zero_halo)
     raise ValueError(f"CCA convolution impl {impl!r} unknown (use one of {IMPLS})")
