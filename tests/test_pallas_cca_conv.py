@@ -29,9 +29,9 @@ def problem(seed, B, T, heads, kv, d, t0, t1, segments, dtype):
     return (xp, w1, b1, w2, b2), heads, same, cotangent
 
 
-def mix_and_grads(impl, weights, heads, same, cotangent):
+def mix_and_grads(impl, weights, heads, same, cotangent, zero_halo=False):
     def loss(*weights):
-        out = qk_mix(*weights, heads, same, impl=impl)
+        out = qk_mix(*weights, heads, same, impl=impl, zero_halo=zero_halo)
         return (out.astype(jnp.float32) * cotangent.astype(jnp.float32)).sum(), out
 
     (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(5)), has_aux=True))(*weights)
@@ -120,10 +120,13 @@ def test_kernels_lower_inside_shard_map_for_cuda(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("segments", [False, True], ids=["plain", "documents"])
-def test_kernels_on_the_gpu_at_the_zaya1_width(segments):
-    """ZAYA1's CCA heads (8 query + 2 key heads of 128) over 4096 positions plus the halo."""
-    inputs = problem(3, 2, 4096, 8, 2, 128, 2, 2, segments, jnp.bfloat16)
-    (out, grads), (out_ref, grads_ref) = mix_and_grads("pallas", *inputs), mix_and_grads("xla", *inputs)
+@pytest.mark.parametrize("segments,zero_halo", [(False, False), (True, False), (True, True)],
+                         ids=["plain", "documents", "documents-zero-halo"])
+def test_kernels_on_the_gpu_at_the_zaya1_width(segments, zero_halo):
+    """ZAYA1's CCA heads (8 query + 2 key heads of 128) over 4096 positions plus the halo (or an implied zero one)."""
+    (xp, *weights), *rest = problem(3, 2, 4096, 8, 2, 128, 2, 2, segments, jnp.bfloat16)
+    inputs = ((xp[:, halo(2, 2):] if zero_halo else xp, *weights), *rest)
+    (out, grads), (out_ref, grads_ref) = (mix_and_grads("pallas", *inputs, zero_halo=zero_halo),
+                                          mix_and_grads("xla", *inputs, zero_halo=zero_halo))
     for a, b in zip([out, *grads], [out_ref, *grads_ref]):
         assert rel_err(a.astype(jnp.float32), b.astype(jnp.float32)) <= TOL[jnp.bfloat16]
