@@ -16,7 +16,15 @@ from hf_reference.jax_side import max_rel, random_model
 from zaya_jax.config import RopeConfig, tiny
 from zaya_jax.inference import Decoder
 from zaya_jax.inference.generate import generate_padded
-from zaya_jax.inference.kernels import GPU, PROGRAMS, XLA, inference_kernels, kernel_overrides, with_kernels
+from zaya_jax.inference.kernels import (
+    GPU,
+    PROGRAMS,
+    XLA,
+    inference_kernels,
+    kernel_overrides,
+    static_windows,
+    with_kernels,
+)
 from zaya_jax.inference.scoring import Scorer, window_rows
 
 TOL = 1e-5  # fp32 compute
@@ -70,6 +78,15 @@ def test_choice_per_platform_and_program(model):
     assert inference_kernels("gpu", "scoring") == GPU
     assert inference_kernels("gpu", "prefill") == GPU
     assert inference_kernels("gpu", "decode") == dict(XLA, moe_impl="decode", norm_impl="pallas", conv_impl="pallas")
+    # NVIDIA scores with cuDNN's attention, unless a mix of sliding and full layers makes the window a traced value
+    assert inference_kernels("cuda", "scoring") == dict(GPU, attention_impl="cudnn")
+    assert inference_kernels("cuda", "scoring", static_windows=False) == inference_kernels("rocm", "scoring") == GPU
+    assert inference_kernels("cuda", "prefill") == GPU
+    n = model.cfg.num_hidden_layers
+    mixed = model.cfg.replace(layer_types=("hybrid", "hybrid_sliding") * (n // 2), sliding_window=16)
+    assert not static_windows(mixed)
+    assert static_windows(mixed.replace(layer_types=("hybrid",) * n))
+    assert static_windows(mixed.replace(layer_types=("hybrid_sliding",) * n))
     with pytest.raises(ValueError):
         kernel_overrides("cudnn", "scoring")
     with pytest.raises(ValueError):

@@ -14,12 +14,14 @@ kernels (the `kernels=` option of Scorer, Decoder, ZayaLM and the launch scripts
            single-token step is a chain of small kernels, and each of those is one launch where XLA emits two to
            four (a reduction, then the normalisation; the halo concatenation, the grouped GEMM, the residual add).
            On the CPU the Pallas kernels run in interpret mode (tests).
-  'auto'   'gpu' on a GPU backend, 'xla' elsewhere (Pallas has no CPU or TPU lowering here).
+  'auto'   'gpu' on a GPU backend, 'xla' elsewhere (Pallas has no CPU or TPU lowering here); on NVIDIA GPUs the
+           scoring program's attention is cuDNN's fused causal kernel (faster than the Pallas one at lm-eval row
+           lengths, benchmarks/bench_kernels.py) when every layer's window is static (no mix of sliding and full layers).
 Decode's experts are moe_impl 'decode' under every choice but None (model/experts.py: each token's own expert
 weights, or every expert read once, instead of a grouped GEMM whose XLA lowering copies and transposes the layer's
 expert weights every step; benchmarks/profile_decode.py measures where a decode step's time goes).
-cuDNN attention is never chosen: jax's cuDNN path takes no traced sliding window (scanned mixed layer types) and
-the cache programs would need a dense [B, T, S] mask.
+cuDNN attention is chosen for scoring only: jax's cuDNN path takes no traced sliding window (mixed layer types) and
+the cache programs would need a dense [B, T, S] mask; scoring's whole rows need neither.
 """
 
 from __future__ import annotations
@@ -36,25 +38,42 @@ XLA = dict(attention_impl="xla", moe_impl="ragged", norm_impl="xla", conv_impl="
 GPU = dict(attention_impl="pallas", moe_impl="pallas", norm_impl="pallas", conv_impl="pallas")
 
 
-def inference_kernels(platform: str, program: str = "scoring") -> dict:
-    """ModelConfig overrides for `program` on `platform` (jax.default_backend() names: 'gpu', 'cuda', 'rocm' get
-    the Pallas kernels, anything else the XLA defaults)."""
+def inference_kernels(platform: str, program: str = "scoring", *, static_windows: bool = True) -> dict:
+    """ModelConfig overrides for `program` on `platform` ('gpu', 'cuda', 'rocm' get the Pallas kernels, anything
+    else the XLA defaults; 'cuda' scores with cuDNN attention where every layer's window is static)."""
     if program not in PROGRAMS:
         raise ValueError(f"unknown inference program {program!r}; known: {PROGRAMS}")
     gpu = platform in ("gpu", "cuda", "rocm")
     if program == "decode":
         return dict(XLA, moe_impl="decode", **(dict(norm_impl="pallas", conv_impl="pallas") if gpu else {}))
+    if program == "scoring" and platform == "cuda" and static_windows:
+        return dict(GPU, attention_impl="cudnn")
     return dict(GPU) if gpu else dict(XLA)
 
 
-def kernel_overrides(kernels: str | None, program: str) -> dict:
-    """The overrides that `kernels` (None, 'auto', 'xla' or 'gpu') means for `program` here."""
+def kernel_overrides(kernels: str | None, program: str, cfg: ModelConfig | None = None) -> dict:
+    """The overrides that `kernels` (None, 'auto', 'xla' or 'gpu') means for `program` here (for a model of `cfg`:
+    whether its layers' windows are static)."""
     if kernels is None:
         return {}
     if kernels not in KERNELS:
         raise ValueError(f"kernels {kernels!r} unknown; use one of {KERNELS} (or None: the model's config)")
-    platform = {"auto": jax.default_backend(), "xla": "cpu", "gpu": "gpu"}[kernels]
-    return inference_kernels(platform, program)
+    platform = _vendor() if kernels == "auto" else {"xla": "cpu", "gpu": "gpu"}[kernels]
+    return inference_kernels(platform, program, static_windows=cfg is None or static_windows(cfg))
+
+
+def _vendor() -> str:
+    """'cpu', 'cuda' or 'rocm' for the default backend ('tpu' and others as jax names them)."""
+    if jax.default_backend() != "gpu":
+        return jax.default_backend()
+    from pallas_kernels.platform import vendor
+    return vendor()
+
+
+def static_windows(cfg: ModelConfig) -> bool:
+    """Every layer's attention window is a Python int or None (all layers full, or all sliding): not a per-layer
+    value traced from the layer index."""
+    return len(set(cfg.layer_types)) == 1
 
 
 def with_config(model, cfg: ModelConfig):
@@ -71,5 +90,5 @@ def with_config(model, cfg: ModelConfig):
 
 def with_kernels(model, kernels: str | None, program: str):
     """`model` running `program` with the implementations `kernels` picks (see the module docstring)."""
-    overrides = kernel_overrides(kernels, program)
+    overrides = kernel_overrides(kernels, program, model.cfg)
     return with_config(model, model.cfg.replace(**overrides)) if overrides else model
