@@ -159,14 +159,16 @@ class Scorer:
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
         results: list[tuple[float, bool]] = [(0.0, False)] * len(rows)
         B = self.batch_size
-        for start in range(0, len(order), B):
+        pending = []  # every batch is dispatched before any result is read: the host lays out the next batch
+        for start in range(0, len(order), B):  # while the device runs this one
             chunk = [rows[i] for i in order[start:start + B]]
             L = next(b for b in self.buckets if b >= len(chunk[0][0]))
             window = window_length(L, max(n for _, _, n in chunk))
             arrays = window_rows(chunk + [([], [], 0)] * (B - len(chunk)), L, window, self.pad_id)
-            logp, greedy = self.program(L, window)(self.state, *arrays)
+            pending.append((order[start:start + B], self.program(L, window)(self.state, *arrays)))
+        for owners, (logp, greedy) in pending:
             logp, greedy = np.asarray(logp), np.asarray(greedy)
-            for r, i in enumerate(order[start:start + B]):
+            for r, i in enumerate(owners):
                 results[i] = (float(logp[r]), bool(greedy[r]))
         self.seconds["scoring"] += time.perf_counter() - began - (self.seconds["compile"] - compile_before)
         return results
