@@ -98,15 +98,19 @@ def test_shapes_that_do_not_fit_are_rejected_and_unknown_impls_named():
         qk_mix(xp, w1, b1, w2, b2, heads, impl="cuda")
 
 
-def test_kernels_lower_inside_shard_map_for_cuda(monkeypatch):
-    """Rows sharded over 8 devices, weights replicated: the weight gradients come back summed over the rows."""
+@pytest.mark.parametrize("zero_halo", [False, True], ids=["halo", "zero-halo-wide"])
+def test_kernels_lower_inside_shard_map_for_cuda(monkeypatch, zero_halo):
+    """Rows sharded over 8 devices, weights replicated: the weight gradients come back summed over the rows. With
+    zero_halo the input is a fused projection's wider output without halo rows."""
     monkeypatch.setattr(platform, "interpret", lambda: False)
     monkeypatch.setattr(platform, "vendor", lambda: "cuda")
     (xp, w1, b1, w2, b2), heads, _, ct = problem(1, 8, 64, 8, 2, 128, 2, 2, False, jnp.bfloat16)
+    if zero_halo:
+        xp = jnp.concatenate([xp[:, halo(2, 2):], xp[:, halo(2, 2):, :256]], axis=-1)
 
     def mix_and_grads(xp, w1, b1, w2, b2, ct):
         def loss(*weights):
-            out = qk_mix(*weights, heads, impl="pallas")
+            out = qk_mix(*weights, heads, impl="pallas", zero_halo=zero_halo)
             return (out.astype(jnp.float32) * ct).sum(), out
         return jax.grad(loss, argnums=tuple(range(5)), has_aux=True)(xp, w1, b1, w2, b2)
 
