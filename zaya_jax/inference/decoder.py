@@ -98,7 +98,8 @@ class Decoder:
 
 def with_fused_projections(model: ZayaForCausalLM) -> ZayaForCausalLM:
     """A copy of `model` (its arrays shared) whose CCA projections hold the four q/k/v weights concatenated
-    (CCAProjection.fused): one GEMV per layer and step instead of four. The concatenation is each output column's
+    (CCAProjection.fused): one GEMV per layer and step instead of four, and an output whose q and k columns the
+    convolution reads in place (the Decoder and the Scorer use it). The concatenation is each output column's
     own dot product, so the values are those of the four. The q, k and current-value Linears are dropped (nothing
     else reads them); the delayed-value one stays for the cache's first delayed value (its bias)."""
     clone = nnx.merge(*nnx.split(model))

@@ -16,7 +16,7 @@ kernels (the `kernels=` option of Scorer, Decoder, ZayaLM and the launch scripts
            On the CPU the Pallas kernels run in interpret mode (tests).
   'auto'   'gpu' on a GPU backend, 'xla' elsewhere (Pallas has no CPU or TPU lowering here); on NVIDIA GPUs the
            scoring program's attention is cuDNN's fused causal kernel (faster than the Pallas one at lm-eval row
-           lengths, benchmarks/bench_kernels.py) when every layer's window is static (no mix of sliding and full layers).
+           lengths, docs/experiments.md) when every layer's window is static (not a mix of sliding and full layers).
 Decode's experts are moe_impl 'decode' under every choice but None (model/experts.py: each token's own expert
 weights, or every expert read once, instead of a grouped GEMM whose XLA lowering copies and transposes the layer's
 expert weights every step; benchmarks/profile_decode.py measures where a decode step's time goes).

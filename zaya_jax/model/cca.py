@@ -45,9 +45,10 @@ class CCAProjection(nnx.Module):
         init = normal_init(cfg)
         self.conv_qk_depthwise = _Conv(init(rngs.params(), (C, 1, cfg.cca_time0), pdt), jnp.zeros((C,), pdt))
         self.conv_qk_grouped = _Conv(init(rngs.params(), (C, d, cfg.cca_time1), pdt), jnp.zeros((C,), pdt))
-        # the four projections as one Linear over their concatenated weights, set only in a decoder's copy of the
-        # model (inference/decoder.py): in a decode step each GEMV is a kernel launch of its own. Training keeps four:
-        # one GEMM measured level on the H200 in forward+backward (docs/experiments.md)
+        # the four projections as one Linear over their concatenated weights, set only in the decoder's and the
+        # scorer's copies of the model (inference/decoder.py): in a decode step each GEMV is a kernel launch of its
+        # own, and the convolution reads q and k from the one output in place. Training keeps four: one GEMM
+        # measured level on the H200 in forward+backward (docs/experiments.md)
         self.fused = None
 
     def project(self, x):
