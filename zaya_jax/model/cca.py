@@ -59,7 +59,7 @@ class CCAProjection(nnx.Module):
             qk = jnp.concatenate([self.q_proj(x), self.k_proj(x)], axis=-1)
             return qk, self.v_proj_current(x), self.v_proj_delayed(x)
         cfg = self.cfg
-        k_end = (cfg.num_attention_heads + cfg.num_key_value_heads) * cfg.head_dim
+        k_end = cfg.conv_channels
         v_end = k_end + cfg.num_key_value_heads * cfg.head_dim // 2
         out = self.fused(x)
         return out, out[..., k_end:v_end], out[..., v_end:]
@@ -81,7 +81,7 @@ class CCAProjection(nnx.Module):
             x = x * conv_mask[:, :, None].astype(dt)
 
         qk, v_cur, v_del = self.project(x)
-        C, P = (H + KV) * d, cfg.conv_halo
+        C, P = cfg.conv_channels, cfg.conv_halo
         if exchange is not None:  # context parallel: the halo and delayed value come from the previous chunk
             tail = CCAState(conv=qk[:, T - P:, :C], value=v_del[:, -1])
             zeros = jnp.zeros((B, 1, x.shape[-1]), dt)
