@@ -21,7 +21,7 @@ import numpy as np
 
 from benchmarks.bench_inference import init_model
 from benchmarks.systems import profile_trace
-from benchmarks.training.bench_profile import hlo_sources
+from benchmarks.training.bench_profile import hlo_instructions, hlo_sources
 from zaya_jax.inference.decoder import Decoder
 from zaya_jax.inference.generate import generate_padded
 
@@ -75,6 +75,9 @@ def dump_optimized_hlo() -> str:
     return dump
 
 
+NO_FRAME = "(no project frame)"
+
+
 def kernel_tables(run, dump: str, units: int, unit: str, top: int) -> dict:
     """Traces one run(); its kernels' time and count per `unit` (run() does `units` of them) in all, by HLO op and
     by the model source line that emitted them (the modules XLA wrote to `dump`)."""
@@ -87,7 +90,8 @@ def kernel_tables(run, dump: str, units: int, unit: str, top: int) -> dict:
     # of them, the largest module's names taking precedence
     anywhere = {}
     for names in sorted(sources.values(), key=len):
-        anywhere.update(names)
+        anywhere.update((k, v) for k, v in names.items() if v != NO_FRAME)
+    known = set().union(*sources.values())
     per_op, per_source = collections.defaultdict(lambda: [0.0, 0]), collections.defaultdict(lambda: [0.0, 0])
     unmatched = collections.Counter()
     for e in ops:
@@ -95,10 +99,12 @@ def kernel_tables(run, dump: str, units: int, unit: str, top: int) -> dict:
         # for XLA's fusions is their instruction's name with '.' and '-' made '_'
         key = e.name if not e.hlo_op or e.hlo_op.startswith("command_buffer") else e.hlo_op
         name = kernel_name(key)
-        source = sources.get(e.program_id, {}).get(name) or anywhere.get(name)
+        own = sources.get(e.program_id, {}).get(name)
+        source = own if own not in (None, NO_FRAME) else anywhere.get(name)
         if source is None:
-            unmatched[key] += e.duration_ns
-            source = "(no project frame)"
+            if name not in known:
+                unmatched[key] += e.duration_ns
+            source = NO_FRAME
         for table, k in ((per_op, key), (per_source, source)):
             table[k][0] += e.duration_ns
             table[k][1] += 1
@@ -145,10 +151,13 @@ def kernel_name(instruction: str) -> str:
 
 def module_sources(dump: str) -> dict[int, dict[str, str]]:
     """{module id: {instruction's kernel name: its source line}} from the optimized modules XLA dumped
-    (module_<id>.*)."""
+    (module_<id>.*); an instruction no project line emitted (XLA's copies and relayouts of parameters) maps to
+    NO_FRAME, so that only kernels missing from every module count as unnamed."""
     out = {}
     for path in glob.glob(os.path.join(dump, "module_*after_optimizations.txt")):
-        names = {kernel_name(k): v for k, v in hlo_sources(open(path).read()).items()}
+        text = open(path).read()
+        names = dict.fromkeys(map(kernel_name, hlo_instructions(text)), NO_FRAME)
+        names.update((kernel_name(k), v) for k, v in hlo_sources(text).items())
         out[int(os.path.basename(path).split(".")[0].removeprefix("module_"))] = names
     return out
 

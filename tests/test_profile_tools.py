@@ -23,10 +23,12 @@ def test_profile_scoring_attributes_kernels_to_source_lines(tmp_path):
                            "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    sources = {row["source"]: row["ms_per_call"] for row in report["top_sources"]}
-    attributed = sum(ms for source, ms in sources.items() if source.startswith("zaya_jax/"))
-    assert attributed > 0.5 * report["kernel_ms_per_call"], sources
+    sources = {row["source"]: row["calls_per_call"] for row in report["top_sources"]}
+    # counted in kernels, not time: on a loaded CPU the frame-less parameter relayouts' share of the time varies
+    attributed = sum(n for source, n in sources.items() if source.startswith("zaya_jax/"))
+    assert attributed > 0.5 * report["kernels_per_call"], sources
     assert any("scoring.py" in source for source in sources), sources  # the head and log-softmax of the window
+    assert report["source_lookup"]["unnamed"] == [], report["source_lookup"]  # every kernel found in a module
 
 
 def test_kernels_named_as_a_gpu_names_them_find_their_source_lines(tmp_path, monkeypatch):
