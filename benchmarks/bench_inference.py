@@ -185,6 +185,8 @@ def start_compiles(spec, scorers, decoder, phases: Phases):
 
     jobs = [job(f"scoring_{b}x{n}", lambda b=b, n=n: scoring(scorers[f"{b}x{n}"], n)) for b, n in spec["scoring"]]
     jobs += [job(f"decode_{b}", lambda b=b: decode(b)) for b in spec["decode_batches"]]
+    # only the selected phases' programs: a decode warm-up runs on the device, beside the export's transfers
+    jobs = [(name, run) for name, run in jobs if phases.selected(name)]
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=spec["compile_threads"])
     futures = {name: pool.submit(run) for name, run in jobs}
     pool.shutdown(wait=False)

@@ -45,6 +45,10 @@ class Phases:
             watchdog.daemon = True
             watchdog.start()
 
+    def selected(self, name: str) -> bool:
+        """Whether --phases asks for the measurement phase `name`."""
+        return not self.only or any(fnmatch.fnmatch(name, p) for p in self.only)
+
     def left(self) -> float:
         return self.deadline - time.time()
 
@@ -55,7 +59,7 @@ class Phases:
         """Runs fn() -> dict (stored under data[into or name]) unless less than min_left_s remain. True if it
         ran without error."""
         record = self.data["phases"].setdefault(name, {})
-        if self.only and min_left_s != -float("inf") and not any(fnmatch.fnmatch(name, p) for p in self.only):
+        if min_left_s != -float("inf") and not self.selected(name):
             record.update(status="skipped", reason="not selected (--phases)")
             self.save()
             return False

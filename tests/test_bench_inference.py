@@ -43,6 +43,10 @@ def test_phases_run_only_the_selected_measurements_and_every_setup(tmp_path):
     assert phases.run("compile", lambda: {}) and phases.run("decode_compiled_64", lambda: {})
     assert not phases.run("decode_eager_64", lambda: {}) and not phases.run("scoring_compiled_8x4096", lambda: {})
     assert phases.data["phases"]["decode_eager_64"] == {"status": "skipped", "reason": "not selected (--phases)"}
+    # the warm-ups compile (and, for decode, run on the device) only the selected phases' programs
+    phases.compile_record = {}
+    spec = {"scoring": [(2, 64)], "decode_batches": [1], "compile_threads": 1}
+    assert bench_inference.start_compiles(spec, {}, None, phases) == {} and phases.compile_record == {}
 
 
 def test_timed_stops_at_the_deadline():
