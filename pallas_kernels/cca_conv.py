@@ -128,9 +128,9 @@ def _shifted_views(x_ref, m_ref, start, rows: int, *, P: int, T: int, off: int, 
 
 def _tap(views, w1_ref, b1_ref, j: int, *, t0: int, t1: int, dtype):
     """Depthwise tap j of the viewed rows, summed in the reference's order and rounded to dtype (fp32 values)."""
-    y = b1_ref[...][None, :]
+    y = b1_ref[...].astype(F32)[None, :]
     for i in range(t0):
-        y = y + views[tap_offset(j, i, t0, t1)] * w1_ref[i, :][None, :]
+        y = y + views[tap_offset(j, i, t0, t1)] * w1_ref[i, :].astype(F32)[None, :]
     return _round(y, dtype)
 
 
@@ -163,7 +163,7 @@ def _fwd_kernel(x_ref, xkv_ref, *rest, t0, t1, P, T, off, rows, heads, group, ha
     g = pl.program_id(2)
     start = pl.program_id(1) * rows
     views = _shifted_views(x_ref, m_ref, start, rows, P=P, T=T, off=off)
-    z = b2_ref[...][None, :]
+    z = b2_ref[...].astype(F32)[None, :]
     for j in range(t1):
         y = _tap(views, w1_ref, b1_ref, j, t0=t0, t1=t1, dtype=dt).astype(dt)
         z = z + _round(lax.dot_general(y, w2_ref[j], _NT, precision=precision, preferred_element_type=F32), dt)
@@ -188,13 +188,12 @@ def _forward(xp, w1, b1, w2, b2, masks, *, heads: int, off: int):
     P = halo(t0, t1)
     T = Tp - off
     rows, warps, _, _ = _head_tiles(T)
-    x, w1t, b1f, w2t, b2f, m = vma.vary_to_union(xp, _tap_weights(w1), b1.astype(F32), _per_tap(w2),
-                                                   b2.astype(F32), masks)
+    x, w1t, b1, w2t, b2, m = vma.vary_to_union(xp, _tap_weights(w1), b1, _per_tap(w2), b2, masks)
     own, kv_head, group_heads = _head_specs(Tp, d, heads, G - heads, head_axis=2)
     in_specs = [own, kv_head, *group_heads,
                 pl.BlockSpec((w1t.shape[0], d), lambda n, i, g: (0, g)), pl.BlockSpec((d,), lambda n, i, g: (g,)),
                 pl.BlockSpec((t1, None, d, d), lambda n, i, g: (0, g, 0, 0)), pl.BlockSpec((d,), lambda n, i, g: (g,))]
-    args = [x, x, *[x] * len(group_heads), w1t, b1f, w2t, b2f]
+    args = [x, x, *[x] * len(group_heads), w1t, b1, w2t, b2]
     if m is not None:
         in_specs.append(pl.BlockSpec((m.shape[0], None, T), lambda n, i, g: (0, n, 0)))
         args.append(m)
@@ -211,9 +210,11 @@ def _forward(xp, w1, b1, w2, b2, masks, *, heads: int, off: int):
 
 
 def _tap_weights(w1):
-    """[C, t0] -> [t0', C] fp32 (t0' = t0 rounded up to a power of two, a Triton block dimension)."""
+    """[C, t0] -> [t0', C] (t0' = t0 rounded up to a power of two, a Triton block dimension). The kernels cast the
+    weights and biases to fp32 as they read them: a cast here would be a size-inflating op, which XLA does not hoist
+    out of the decode loop, so every generated token would convert every layer's weights again."""
     t0 = w1.shape[1]
-    return jnp.pad(w1.astype(F32).T, ((0, platform.next_pow2(t0) - t0), (0, 0)))
+    return jnp.pad(w1.T, ((0, platform.next_pow2(t0) - t0), (0, 0)))
 
 
 def _per_tap(w2):
@@ -264,12 +265,12 @@ def _backward_grouped(xp, w1, b1, w2, masks, dout, *, off: int):
     n_tiles = pl.cdiv(T, rows)
     per_cu = _PROGRAMS_PER_CU[platform.vendor()]
     chunks = max(1, min(n_tiles, math.ceil(per_cu * platform.compute_units() / (B * G * t1))))
-    x, do, w1t, b1f, w2t, m = vma.vary_to_union(xp, dout, _tap_weights(w1), b1.astype(F32), _per_tap(w2), masks)
+    x, do, w1t, b1, w2t, m = vma.vary_to_union(xp, dout, _tap_weights(w1), b1, _per_tap(w2), masks)
     in_specs = [_head_spec(Tp, d, head_axis=1), _head_spec(T, d, head_axis=1),
                 pl.BlockSpec((w1t.shape[0], d), lambda n, g, c, j: (0, g)),
                 pl.BlockSpec((d,), lambda n, g, c, j: (g,)),
                 pl.BlockSpec((None, None, d, d), lambda n, g, c, j: (j, g, 0, 0))]
-    args = [x, do, w1t, b1f, w2t]
+    args = [x, do, w1t, b1, w2t]
     if m is not None:
         in_specs.append(pl.BlockSpec((m.shape[0], None, T), lambda n, g, c, j: (0, n, 0)))
         args.append(m)

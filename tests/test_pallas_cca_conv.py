@@ -5,6 +5,7 @@ compiled with `-m gpu`; inside shard_map their types lower for CUDA (weights rep
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.extend.core import jaxprs_in_params
 from jax.sharding import PartitionSpec as P
 from test_pallas_rmsnorm import TOL, rel_err
 
@@ -86,6 +87,28 @@ def test_an_implied_zero_halo_on_a_wider_input_equals_the_concatenated_one(impl)
     assert not grads[0][..., C:].any()
     for g, g_ref in zip(grads[1:], grads_ref[1:]):
         assert rel_err(g, g_ref) <= TOL[jnp.float32]
+
+
+def test_the_kernels_read_bf16_weights_as_they_are():
+    """A bf16 model's depthwise weights and biases enter the kernels uncast (they cast them as they read them): a
+    cast outside would run again at every decode step, XLA hoisting no size-inflating op out of the loop."""
+    (xp, w1, b1, w2, b2), heads, same, cotangent = problem(3, 1, 5, 2, 1, 16, 2, 2, True, jnp.bfloat16)
+    weights = (xp, w1.astype(jnp.bfloat16), b1.astype(jnp.bfloat16), w2, b2.astype(jnp.bfloat16))
+    (out, grads), (out_ref, grads_ref) = (mix_and_grads(impl, weights, heads, same, cotangent)
+                                          for impl in ("pallas", "xla"))
+    assert rel_err(out.astype(jnp.float32), out_ref.astype(jnp.float32)) <= TOL[jnp.bfloat16]
+    for g, g_ref in zip(grads, grads_ref):
+        assert g.dtype == g_ref.dtype and rel_err(g.astype(jnp.float32), g_ref.astype(jnp.float32)) <= 2e-2
+
+    def array_casts(jaxpr):  # converts of non-scalar arrays outside the kernels
+        for e in jaxpr.eqns:
+            if e.primitive.name == "convert_element_type" and e.invars[0].aval.shape:
+                yield e.invars[0].aval
+            for sub in (() if e.primitive.name == "pallas_call" else jaxprs_in_params(e.params)):
+                yield from array_casts(sub)
+
+    jaxpr = jax.make_jaxpr(lambda *w: qk_mix(*w, heads, same, impl="pallas"))(*weights).jaxpr
+    assert list(array_casts(jaxpr)) == []
 
 
 def test_shapes_that_do_not_fit_are_rejected_and_unknown_impls_named():
