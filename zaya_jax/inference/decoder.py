@@ -26,7 +26,7 @@ from zaya_jax.inference.cache import (
 )
 from zaya_jax.inference.kernels import with_kernels
 from zaya_jax.model.base import Linear
-from zaya_jax.model.compute_view import compute_view
+from zaya_jax.model.compute_view import inference_view
 from zaya_jax.model.zaya import ZayaForCausalLM
 
 
@@ -65,7 +65,7 @@ class Decoder:
         self.cfg = model.cfg
         model = with_fused_projections(model)
         self.graphdef, self.state = nnx.split(with_kernels(model, kernels, "prefill"))
-        self.state = compute_view(self.state, per_layer=True)
+        self.state = inference_view(self.state)
         self.step_graphdef = nnx.split(with_kernels(model, kernels, "decode"))[0]
         self._prefill = jax.jit(functools.partial(_prefill, self.graphdef), donate_argnums=1,
                                 static_argnames="all_logits")

@@ -32,6 +32,9 @@ COMPUTE_DTYPE_LEAVES = tuple(LAYERS + p for p in (
 ))
 
 
+ROUTER = LAYERS + ("mlp", "gate")  # the routers' parameters, which model/router.py reads in fp32
+
+
 def _key(entry) -> str:
     return str(getattr(entry, "key", getattr(entry, "name", entry)))
 
@@ -72,3 +75,15 @@ def compute_view(params, compute_dtype=None, *, per_layer: bool = False):
         return leaf.astype(dtype) if cast else leaf
 
     return jax.tree_util.tree_map_with_path(view, params)
+
+
+def inference_view(params):
+    """The per-layer view that the inference programs read (compute_view per_layer), with the routers' floating
+    parameters in fp32: the router computes in fp32, so a bf16 model's router weights would be cast at every call,
+    and in a decode loop at every token (XLA hoists no size-inflating op out of a loop). The values are those of the
+    per-call casts."""
+    def fp32_router(path, leaf):
+        routed = key_path(path)[:len(ROUTER)] == ROUTER and jnp.issubdtype(leaf.dtype, jnp.floating)
+        return leaf.astype(jnp.float32) if routed else leaf
+
+    return compute_view(jax.tree_util.tree_map_with_path(fp32_router, params), per_layer=True)
