@@ -32,6 +32,8 @@ VARIANTS = {
         "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
         "xla_gpu_graph_min_graph_size": 1},
     "concurrent": {"xla_gpu_graph_enable_concurrent_region": True},
+    # programmatic dependent launch: a kernel's launch and prologue overlap the previous kernel's tail
+    "pdl": {"xla_gpu_enable_pdl": True},
     "triton_softmax": {"xla_gpu_experimental_enable_triton_softmax_priority_fusion": True},
     "heroless": {"xla_gpu_experimental_enable_triton_heroless_priority_fusion": True},
     "all_triton": {"xla_gpu_experimental_all_fusions_with_triton": True},
