@@ -87,3 +87,22 @@ def test_rolling_loglikelihood_of_a_short_document_is_its_forward():
     want = logp[np.arange(len(doc)), doc].sum()
     assert scorer.loglikelihood_rolling([doc], prefix_token=2)[0] == pytest.approx(float(want), rel=1e-5)
     assert default_buckets(100) == (32, 64, 100)
+
+
+def test_scorers_and_a_decoder_share_one_copy_of_the_weights():
+    """inference_state(model) passed as state=: the same arrays (no copy each), the same scores and logits."""
+    from zaya_jax.inference.decoder import Decoder, inference_state
+
+    model = random_model(CFG, seed=7)
+    shared = inference_state(model)
+    scorers = [Scorer(model, max_length=16, batch_size=2, buckets=(16,), state=shared) for _ in range(2)]
+    decoder = Decoder(model, state=shared)
+    held = jax.tree.leaves(shared)
+    for reader in (*scorers, decoder):
+        assert all(a is b for a, b in zip(jax.tree.leaves(reader.state), held, strict=True))
+    requests = [([1, 5, 9], [3, 4]), ([2, 7, 7, 7, 1], [6])]
+    own = Scorer(model, max_length=16, batch_size=2, buckets=(16,))
+    assert scorers[1].loglikelihood(requests) == own.loglikelihood(requests)
+    ids = np.array([[1, 5, 9, 3]], np.int32)
+    logits = [d.prefill(d.init_cache(1, 8), ids)[0] for d in (decoder, Decoder(model))]
+    np.testing.assert_array_equal(np.asarray(logits[0]), np.asarray(logits[1]))

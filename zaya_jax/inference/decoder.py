@@ -61,11 +61,13 @@ class Decoder:
     model's layer weights, made once), so that every step reads them in place; a scan over the stacked weights
     copies each layer's slice in every step (docs/experiments.md)."""
 
-    def __init__(self, model: ZayaForCausalLM, *, kernels: str | None = None):
+    def __init__(self, model: ZayaForCausalLM, *, kernels: str | None = None, state: nnx.State | None = None):
+        """state: inference_state(model), to share one copy of the weights with other Decoders and Scorers of
+        `model` (by default the decoder makes its own)."""
         self.cfg = model.cfg
         model = with_fused_projections(model)
-        self.graphdef, self.state = nnx.split(with_kernels(model, kernels, "prefill"))
-        self.state = inference_view(self.state)
+        self.graphdef, own = nnx.split(with_kernels(model, kernels, "prefill"))
+        self.state = inference_view(own) if state is None else state
         self.step_graphdef = nnx.split(with_kernels(model, kernels, "decode"))[0]
         self._prefill = jax.jit(functools.partial(_prefill, self.graphdef), donate_argnums=1,
                                 static_argnames="all_logits")
@@ -94,6 +96,13 @@ class Decoder:
     def step(self, cache: DecodeCache, tokens):
         """One new token per row [B]. Returns (logits [B, V], cache)."""
         return self._step(self.state, cache, jnp.asarray(tokens, jnp.int32))
+
+
+def inference_state(model: ZayaForCausalLM) -> nnx.State:
+    """The weights a Decoder and a Scorer of `model` read (its fused q/k/v projection, the per-layer inference view of
+    model/compute_view.py): a copy of the model's weights, which each of them otherwise makes for itself. Pass it as
+    their `state=` to hold one copy for all (an lm-eval run that scores and generates, a benchmark of both)."""
+    return inference_view(nnx.split(with_fused_projections(model))[1])
 
 
 def with_fused_projections(model: ZayaForCausalLM) -> ZayaForCausalLM:

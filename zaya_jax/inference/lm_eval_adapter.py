@@ -48,10 +48,9 @@ class ZayaLM(LM):
 
     @property
     def decoder(self) -> Decoder:
-        """Built on the first generation request: it holds its own per-layer copy of the layer weights, which
-        log-likelihood tasks never need."""
+        """Built on the first generation request, over the scorer's copy of the weights."""
         if self._decoder is None:
-            self._decoder = Decoder(self._model, kernels=self._kernels)
+            self._decoder = Decoder(self._model, kernels=self._kernels, state=self.scorer.state)
         return self._decoder
 
     @classmethod

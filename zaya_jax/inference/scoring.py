@@ -108,8 +108,11 @@ def window_rows(rows, length: int, window: int, pad_id: int = 0):
 
 class Scorer:
     def __init__(self, model: ZayaForCausalLM, *, max_length: int = 2048, batch_size: int = 8,
-                 buckets: Sequence[int] | None = None, pad_id: int = 0, kernels: str | None = None):
-        """kernels: None (the model's impls), 'auto', 'xla' or 'gpu' (inference/kernels.py, program 'scoring')."""
+                 buckets: Sequence[int] | None = None, pad_id: int = 0, kernels: str | None = None,
+                 state: nnx.State | None = None):
+        """kernels: None (the model's impls), 'auto', 'xla' or 'gpu' (inference/kernels.py, program 'scoring').
+        state: inference_state(model) (inference/decoder.py), to share one copy of the weights with other Scorers
+        and Decoders of `model` (by default the scorer makes its own)."""
         self.max_length, self.batch_size, self.pad_id = max_length, batch_size, pad_id
         self.buckets = tuple(sorted(buckets)) if buckets else default_buckets(max_length)
         if self.buckets[-1] < max_length:
@@ -120,8 +123,8 @@ class Scorer:
         # each layer's last residual merge with the next norm
         model = with_config(model, model.cfg.replace(scan_layers=False, remat="none"))
         model = with_fused_projections(model)
-        self.graphdef, state = nnx.split(model)
-        self.state = inference_view(state)
+        self.graphdef, own = nnx.split(model)
+        self.state = inference_view(own) if state is None else state
         self._score = jax.jit(lambda state, *rows: _score_rows(self.graphdef, state, *rows))
         self._compiled = {}  # (bucket length, window) -> compiled scoring program
         self.seconds = {"compile": 0.0, "scoring": 0.0}  # where the calls' wall time went
