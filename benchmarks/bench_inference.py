@@ -171,14 +171,15 @@ def start_compiles(spec, scorers, decoder, phases: Phases):
             import jax
             import jax.numpy as jnp
 
-            from zaya_jax.inference.generate import _decode_loop
+            from zaya_jax.inference.generate import decode_loop, length_bucket
             from zaya_jax.inference.sampling import GREEDY
-            cache = decoder.init_cache(batch, max_length)
+            steps = length_bucket(spec["new_tokens"])  # the shapes generate_padded compiles for
+            cache = decoder.init_cache(batch, length_bucket(spec["prompt"] + steps))
             prefill = decoder._prefill.lower(decoder.state, cache, jnp.asarray(ids), None, all_logits=False).compile()
-            loop = decoder.bind(_decode_loop).lower(
+            loop = decode_loop(decoder).lower(
                 decoder.state, cache, jax.ShapeDtypeStruct((batch, decoder.cfg.vocab_size), jnp.float32),
-                jax.random.key(0), jnp.asarray([-1], jnp.int32), jnp.int32(0), sampling=GREEDY,
-                max_new_tokens=spec["new_tokens"]).compile()
+                jax.random.key(0), jnp.asarray([-1], jnp.int32), jnp.int32(0), jnp.int32(spec["new_tokens"]),
+                sampling=GREEDY, steps=steps).compile()
             return dict(prefill=memory_gib(prefill), decode_loop=memory_gib(loop))
         except Exception as e:
             return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
@@ -219,8 +220,8 @@ def run_jax(spec, preset_name, phases: Phases):
     import numpy as np
 
     from zaya_jax.checkpoint.hf import to_hf
-    from zaya_jax.inference.decoder import Decoder
-    from zaya_jax.inference.generate import _decode_loop, generate_padded
+    from zaya_jax.inference.decoder import Decoder, inference_state
+    from zaya_jax.inference.generate import decode_loop, generate_padded
     from zaya_jax.inference.kernels import PROGRAMS, kernel_overrides
     from zaya_jax.inference.scoring import Scorer
     from zaya_jax.param_count import abstract_param_counts
@@ -262,9 +263,10 @@ def run_jax(spec, preset_name, phases: Phases):
     cfg = model.cfg
     counts = phases.data["init"]["param_counts"]
     deadline = phases.deadline
-    decoder = Decoder(model, kernels=kernels)
-    decoder.bind(_decode_loop, static_argnames=("sampling", "max_new_tokens"), donate_argnums=1)  # as generate
-    scorers = {f"{b}x{n}": Scorer(model, max_length=n, batch_size=b, buckets=(n,), kernels=kernels)
+    shared = inference_state(model)  # one copy of the weights for the decoder and every scorer
+    decoder = Decoder(model, kernels=kernels, state=shared)
+    decode_loop(decoder)  # bound before the compile threads use it
+    scorers = {f"{b}x{n}": Scorer(model, max_length=n, batch_size=b, buckets=(n,), kernels=kernels, state=shared)
                for b, n in spec["scoring"]}
     phases.compile_record = {}
     try:
@@ -543,6 +545,8 @@ def main(argv=None):
     ap.add_argument("--phase", choices=["jax"], help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if not (shutil.which(args.hf_python) or os.access(args.hf_python, os.X_OK)):
+        ap.error(f"--hf-python {args.hf_python}: no such executable")
     if args.phase:  # the JAX child
         spec = json.load(open(args.spec))
         phases = Phases(spec["jax_out"], spec["jax_deadline"], "jax", spec.get("phases"))

@@ -4,13 +4,19 @@ after each phase, --phases selects measurements, timing respects its deadline, t
 tolerate missing halves, and the chunked on-device init keeps the model's shapes and dtypes."""
 
 import json
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 from benchmarks import bench_inference
 from benchmarks.inference_phases import FAIL_ENV, Phases, decode_rate, timed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_phases_record_errors_skips_and_write_after_each(tmp_path, monkeypatch):
@@ -91,3 +97,21 @@ def test_chunked_init_matches_the_model_shapes():
     experts = np.asarray(model.model.layers.mlp.experts.gate_up_proj[...], np.float32)
     assert abs(experts.std() - cfg.initializer_range) < 2e-3 and len(np.unique(experts[0, 0])) > 100
     assert not np.array_equal(experts[0], experts[1])  # layers (and chunks) draw different numbers
+
+
+@pytest.mark.slow
+def test_every_jax_phase_runs_at_tiny_shapes(tmp_path):
+    """The benchmark's JAX half end to end on the CPU (--quick): every phase and warm-up compile succeeds, so that a
+    change of the library's inference API cannot leave a GPU run's phases failing (the decode phases once did, after
+    the generation loop's signature changed). The HF half runs under this python, which has no torch: it fails alone."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_inference", "--preset", "tiny", "--quick",
+                           "--time-budget", "300", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ours = json.loads(out.read_text())["ours"]
+    assert {name: phase["status"] for name, phase in ours["phases"].items()} == dict.fromkeys(
+        ["init", "export", "copy_bandwidth", "scoring_2x64", "decode_1", "decode_2"], "ok")
+    assert {name: record["status"] for name, record in ours["compile"].items()} == dict.fromkeys(
+        ["scoring_2x64", "decode_1", "decode_2"], "ok")
+    assert all("error" not in record["xla_memory_gib"] for record in ours["compile"].values())

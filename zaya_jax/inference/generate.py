@@ -92,10 +92,15 @@ def generate_padded(decoder: Decoder, input_ids, attention_mask=None, *, max_new
     first_logits, cache = decoder.prefill(cache, ids, mask)
     stops = jnp.asarray(list(stop_tokens) or [-1], jnp.int32)
     key = jax.random.key(0) if key is None else key
-    loop = decoder.bind(_decode_loop, static_argnames=("sampling", "steps"), donate_argnums=1)
-    tokens, lengths, stopped, _ = loop(decoder.state, cache, first_logits, key, stops, jnp.int32(pad_id),
+    tokens, lengths, stopped, _ = decode_loop(decoder)(decoder.state, cache, first_logits, key, stops, jnp.int32(pad_id),
                                     jnp.int32(max_new_tokens), sampling=sampling, steps=steps)
     return Generation(np.asarray(tokens)[:, :max_new_tokens], np.asarray(lengths), np.asarray(stopped))
+
+
+def decode_loop(decoder: Decoder):
+    """The decoder's compiled generation loop (one per decoder): loop(state, cache, first_logits, key, stops, pad_id,
+    max_new_tokens, sampling=, steps=) -> (tokens [B, steps], lengths, stopped, cache); the cache is donated."""
+    return decoder.bind(_decode_loop, static_argnames=("sampling", "steps"), donate_argnums=1)
 
 
 def _decode_loop(graphdef, state, cache, first_logits, key, stops, pad_id, max_new_tokens, *, sampling, steps):
