@@ -106,3 +106,6 @@ def test_scorers_and_a_decoder_share_one_copy_of_the_weights():
     ids = np.array([[1, 5, 9, 3]], np.int32)
     logits = [d.prefill(d.init_cache(1, 8), ids)[0] for d in (decoder, Decoder(model))]
     np.testing.assert_array_equal(np.asarray(logits[0]), np.asarray(logits[1]))
+    other = random_model(CFG.replace(router_hidden_size=4), seed=7)  # another model's weights are refused
+    with pytest.raises(ValueError, match="not inference_state"):
+        Scorer(other, max_length=16, batch_size=2, state=shared)

@@ -67,7 +67,7 @@ class Decoder:
         self.cfg = model.cfg
         model = with_fused_projections(model)
         self.graphdef, own = nnx.split(with_kernels(model, kernels, "prefill"))
-        self.state = inference_view(own) if state is None else state
+        self.state = inference_view(own) if state is None else checked_state(state, own)
         self.step_graphdef = nnx.split(with_kernels(model, kernels, "decode"))[0]
         self._prefill = jax.jit(functools.partial(_prefill, self.graphdef), donate_argnums=1,
                                 static_argnames="all_logits")
@@ -103,6 +103,22 @@ def inference_state(model: ZayaForCausalLM) -> nnx.State:
     model/compute_view.py): a copy of the model's weights, which each of them otherwise makes for itself. Pass it as
     their `state=` to hold one copy for all (an lm-eval run that scores and generates, a benchmark of both)."""
     return inference_view(nnx.split(with_fused_projections(model))[1])
+
+
+def checked_state(state: nnx.State, own: nnx.State) -> nnx.State:
+    """`state` if it has the paths, shapes and dtypes of inference_view(own) (worked out abstractly, nothing
+    copied), else a ValueError naming the first difference."""
+    expected = jax.tree_util.tree_flatten_with_path(jax.eval_shape(inference_view, own))[0]
+    given = jax.tree_util.tree_flatten_with_path(state)[0]
+    if len(expected) != len(given):
+        raise ValueError(f"state= is not inference_state(model) of this model: {len(given)} arrays, not "
+                         f"{len(expected)}")
+    for (path, want), (given_path, have) in zip(expected, given):
+        if path != given_path or (want.shape, want.dtype) != (jnp.shape(have), jnp.result_type(have)):
+            raise ValueError(f"state= is not inference_state(model) of this model: at "
+                             f"{jax.tree_util.keystr(path)} it needs {want.dtype}{list(want.shape)}, got "
+                             f"{jax.tree_util.keystr(given_path)} {jnp.result_type(have)}{list(jnp.shape(have))}")
+    return state
 
 
 def with_fused_projections(model: ZayaForCausalLM) -> ZayaForCausalLM:

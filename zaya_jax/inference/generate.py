@@ -92,7 +92,8 @@ def generate_padded(decoder: Decoder, input_ids, attention_mask=None, *, max_new
     first_logits, cache = decoder.prefill(cache, ids, mask)
     stops = jnp.asarray(list(stop_tokens) or [-1], jnp.int32)
     key = jax.random.key(0) if key is None else key
-    tokens, lengths, stopped, _ = decode_loop(decoder)(decoder.state, cache, first_logits, key, stops, jnp.int32(pad_id),
+    loop = decode_loop(decoder)
+    tokens, lengths, stopped, _ = loop(decoder.state, cache, first_logits, key, stops, jnp.int32(pad_id),
                                     jnp.int32(max_new_tokens), sampling=sampling, steps=steps)
     return Generation(np.asarray(tokens)[:, :max_new_tokens], np.asarray(lengths), np.asarray(stopped))
 
