@@ -7,6 +7,11 @@
 
 Both calls consume `cache` (its buffers are donated): use the returned one. A chunk that does not fit in the
 cache returns NaN logits instead of silently overwriting old slots.
+
+A Decoder holds its own copy of the weights (the inference view); decoders and scorers of one model can share one:
+
+    shared = inference_state(model)
+    decoder, scorer = Decoder(model, state=shared), Scorer(model, max_length=2048, state=shared)
 """
 
 from __future__ import annotations
