@@ -72,7 +72,7 @@ class Decoder:
         self.cfg = model.cfg
         model = with_fused_projections(model)
         self.graphdef, own = nnx.split(with_kernels(model, kernels, "prefill"))
-        self.state = inference_view(own) if state is None else checked_state(state, own)
+        self.state = reader_state(own, state)
         self.step_graphdef = nnx.split(with_kernels(model, kernels, "decode"))[0]
         self._prefill = jax.jit(functools.partial(_prefill, self.graphdef), donate_argnums=1,
                                 static_argnames="all_logits")
@@ -110,9 +110,12 @@ def inference_state(model: ZayaForCausalLM) -> nnx.State:
     return inference_view(nnx.split(with_fused_projections(model))[1])
 
 
-def checked_state(state: nnx.State, own: nnx.State) -> nnx.State:
-    """`state` if it has the paths, shapes and dtypes of inference_view(own) (worked out abstractly, nothing
-    copied), else a ValueError naming the first difference."""
+def reader_state(own: nnx.State, state: nnx.State | None) -> nnx.State:
+    """What a Decoder or Scorer reads, given its split of the fused model (`own`): its own inference view of it, or
+    the shared `state` if that has the paths, shapes and dtypes of the view (worked out abstractly, nothing copied);
+    else a ValueError naming the first difference."""
+    if state is None:
+        return inference_view(own)
     expected = jax.tree_util.tree_flatten_with_path(jax.eval_shape(inference_view, own))[0]
     given = jax.tree_util.tree_flatten_with_path(state)[0]
     if len(expected) != len(given):

@@ -22,9 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from zaya_jax.inference.decoder import checked_state, with_fused_projections
+from zaya_jax.inference.decoder import reader_state, with_fused_projections
 from zaya_jax.inference.kernels import with_config, with_kernels
-from zaya_jax.model.compute_view import inference_view
 from zaya_jax.model.zaya import ZayaForCausalLM
 
 
@@ -124,7 +123,7 @@ class Scorer:
         model = with_config(model, model.cfg.replace(scan_layers=False, remat="none"))
         model = with_fused_projections(model)
         self.graphdef, own = nnx.split(model)
-        self.state = inference_view(own) if state is None else checked_state(state, own)
+        self.state = reader_state(own, state)
         self._score = jax.jit(lambda state, *rows: _score_rows(self.graphdef, state, *rows))
         self._compiled = {}  # (bucket length, window) -> compiled scoring program
         self.seconds = {"compile": 0.0, "scoring": 0.0}  # where the calls' wall time went
