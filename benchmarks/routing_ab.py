@@ -19,7 +19,7 @@ to whole tiles costs; round_robin against collapsed what the rest of routing to 
 and one weight read per expert instead of one). benchmarks/train_solve_variant.py replaces the routing.
 
 Per run: tokens/s as the median over steps 3 on (compilation and warm-up before), every step's worst-layer max and min
-load, the last loss. Each run's workdir is removed after it (a bench checkpoint is gigabytes). With --repeats N the
+load and share of tokens moved by equal shares (model/equal_shares.py), the last loss. Each run's workdir is removed after it (a bench checkpoint is gigabytes). With --repeats N the
 list runs N times interleaved (A, B, A, B, ...; repeat r of run A is recorded as "A#r"), and `spread` gives each run's
 tokens/s over its repeats: the same-call noise that a difference between runs has to exceed."""
 
@@ -65,7 +65,8 @@ def summarize(rows: list[dict]) -> dict:
             TOKENS_PER_S: round(statistics.median(timed)),
             "loss_last": round(train[-1]["loss"], 4),
             "max_load": [round(r["max_load"], 3) for r in train],
-            "min_load": [round(r["min_load"], 3) for r in train]}
+            "min_load": [round(r["min_load"], 3) for r in train],
+            "moved": [round(r.get("moved", 0.0), 4) for r in train]}
 
 
 def schedule(names: list[str], repeats: int) -> list[tuple[str, str]]:

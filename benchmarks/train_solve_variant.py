@@ -39,7 +39,7 @@ if routing is not None:
     routed = router.Router.__call__
 
     def replaced(self, x, prev_state, state_scale, token_mask=None):
-        weight, index, u, probs, correction = routed(self, x, prev_state, state_scale, token_mask)
+        weight, index, u, probs, correction, moved = routed(self, x, prev_state, state_scale, token_mask)
         E = self.cfg.num_experts
         if routing == "round_robin":
             index = (jnp.arange(index.size, dtype=index.dtype) % E).reshape(index.shape)
@@ -47,7 +47,7 @@ if routing is not None:
             bits = jax.lax.bitcast_convert_type(jax.lax.stop_gradient(probs[..., 0]), jnp.uint32)
             index = (bits % E).astype(index.dtype)
         weight = jnp.take_along_axis(probs, index[..., None], axis=-1)[..., 0]
-        return weight, index, u, probs, correction
+        return weight, index, u, probs, correction, moved
 
     router.Router.__call__ = replaced
     print(f"routing: {routing} (the router's choice replaced)", flush=True)

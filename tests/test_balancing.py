@@ -89,15 +89,17 @@ def test_router_solves_only_in_the_train_step():
     x = jax.random.normal(jax.random.key(1), (4, 64, cfg.hidden_size))
     state = jnp.zeros((4, 64, cfg.router_hidden_size))
     scale = jnp.ones((cfg.router_hidden_size,))
-    _, index, _, _, correction = router(x, state, scale)
-    assert np.all(np.asarray(correction) == 0)
+    _, index, _, _, correction, moved = router(x, state, scale)
+    assert np.all(np.asarray(correction) == 0) and not np.any(moved)
     router.solve_balance = True
-    _, measured_index, _, _, correction = router(x, state, scale)
-    assert np.any(np.asarray(correction) != 0) and np.array_equal(index, measured_index)
+    _, measured_index, _, _, correction, moved = router(x, state, scale)
+    assert np.any(np.asarray(correction) != 0) and np.array_equal(index, measured_index) and not np.any(moved)
     router.balance_tokens = True
-    _, balanced_index, _, _, _ = router(x, state, scale)
+    weight, balanced_index, _, probs, _, moved = router(x, state, scale)
     counts = np.bincount(np.asarray(balanced_index).ravel(), minlength=cfg.num_experts + 1)[:cfg.num_experts]
-    assert counts.max() <= 1.25 * counts.mean() and np.bincount(np.asarray(index).ravel()).max() > counts.max()
+    assert counts.tolist() == [counts.mean()] * cfg.num_experts
+    assert np.bincount(np.asarray(index).ravel()).max() > counts.max() and np.mean(moved) < 0.5
+    np.testing.assert_array_equal(weight, np.take_along_axis(probs, balanced_index[..., None], -1)[..., 0])
 
 
 def test_solve_leaves_too_few_tokens_alone():
@@ -109,7 +111,8 @@ def stats_of(counts, correction):
     counts = jnp.asarray(counts, jnp.float32)
     zeros = jnp.zeros_like(counts)
     one = jnp.ones(counts.shape[:-1] + (1,))
-    return jnp.concatenate([counts, zeros, zeros, one * 0, one * 0, jnp.asarray(correction, jnp.float32), one], -1)
+    return jnp.concatenate([counts, zeros, zeros, one * 0, one * 0, one * 0, jnp.asarray(correction, jnp.float32),
+                            one], -1)
 
 
 def test_update_folds_the_correction_in_and_keeps_the_invariants():
@@ -136,12 +139,14 @@ def test_routing_health_from_a_forward():
     probs = jax.nn.softmax(jnp.asarray(rng.normal(size=(2, 64, 5)) * 3, jnp.float32), -1)
     index = jnp.argmax(probs, -1)
     mask = jnp.asarray(rng.random((2, 64)) < 0.8)
-    stats = routing_stats.token_sums(probs, index, jnp.zeros(4), mask)[None]
+    moved = jnp.asarray(rng.random((2, 64)) < 0.1)
+    stats = routing_stats.token_sums(probs, index, jnp.zeros(4), moved, mask)[None]
     h = routing_health(stats)
     p, i = np.asarray(probs)[np.asarray(mask)], np.asarray(index)[np.asarray(mask)]
     np.testing.assert_allclose(h.top1_prob, [p.max(-1).mean()], rtol=1e-5, err_msg=f"seed {seed}")
     np.testing.assert_allclose(h.entropy, [-(p * np.log(p)).sum(-1).mean()], rtol=1e-5)
     np.testing.assert_allclose(h.skip_fraction, [(i == 4).mean()], rtol=1e-6)
+    np.testing.assert_allclose(h.moved, [np.asarray(moved)[np.asarray(mask)].mean()], rtol=1e-6)
     share = np.bincount(i[i < 4], minlength=4) / max((i < 4).sum(), 1) * 4
     np.testing.assert_allclose(h.max_load, [share.max()], rtol=1e-6)
 

@@ -21,7 +21,7 @@ def test_summary_times_steps_after_warmup_and_keeps_every_load():
     out = routing_ab.summarize(rows)
     assert out["tokens_per_s_median_steps_3_on"] == 40  # steps 3, 4, 5
     assert out["steps"] == 5 and out["loss_last"] == 0.0
-    assert out["max_load"] == [1.1, 1.2, 1.3, 1.4, 1.5] and out["min_load"][0] == 0.9
+    assert out["max_load"] == [1.1, 1.2, 1.3, 1.4, 1.5] and out["min_load"][0] == 0.9 and out["moved"] == [0.0] * 5
     with pytest.raises(ValueError, match="tokens_per_s"):
         routing_ab.summarize(rows[:2])
 

@@ -24,9 +24,9 @@ class MoE(nnx.Module):
 
     def __call__(self, x, router_state, state_scale, token_mask=None):
         B, T, D = x.shape
-        weight, index, router_state, probs, correction = self.gate(x, router_state, state_scale, token_mask)
+        weight, index, router_state, probs, correction, moved = self.gate(x, router_state, state_scale, token_mask)
         out = self.experts(x.reshape(B * T, D), index.reshape(-1), weight.reshape(-1)).reshape(B, T, D)
-        return out, router_state, routing_stats.token_sums(probs, index, correction, token_mask)
+        return out, router_state, routing_stats.token_sums(probs, index, correction, moved, token_mask)
 
 
 class DecoderLayer(nnx.Module):

@@ -1,6 +1,7 @@
 """The ZAYA1 router: down-projection, exponential depth averaging (EDA) of the router state across layers,
 RMSNorm + two exact-GELU MLP layers + out_proj to E+1 classes (the last is the skip class), softmax, balancing
-biases added to the probabilities for selection only, top-1 with the un-renormalised probability as the weight.
+biases added to the probabilities for selection only, top-1 with the un-renormalised probability as the weight (in
+the train step, of the expert that the balancing gave the token).
 Runs in fp32 whatever the compute dtype (argmax ties must not depend on bf16 rounding)."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from flax import nnx
 from zaya_jax.config import ModelConfig
 from zaya_jax.model import routing_stats
 from zaya_jax.model.base import BalancingBias, Linear, RMSNormWeight, activation
+from zaya_jax.model.equal_shares import equal_shares
 from zaya_jax.ops.rmsnorm import rms_norm_reference
 
 
@@ -39,10 +41,11 @@ class Router(nnx.Module):
     def __call__(self, x, prev_state, state_scale, token_mask=None):
         """x: [B,T,D]; prev_state: [B,T,R] fp32 (zeros at layer 0); state_scale: [R] (ones at layer 0).
         Returns (weight [B,T] fp32, index [B,T] int32 in [0, E], router state for the next layer, probabilities
-        [B,T,E+1] fp32, the balancing correction [E] of these tokens). With balance_tokens the selection adds the
-        correction of routing_stats.balancing_correction to the biases: every expert gets an equal share of this
-        forward's tokens (the controller folds it into the biases, optim/balancing.py); without balance_tokens or
-        solve_balance the correction is zero."""
+        [B,T,E+1] fp32, the balancing correction [E] of these tokens, moved [B,T] bool). With balance_tokens the
+        selection adds the correction of routing_stats.balancing_correction to the biases, which brings every expert
+        near an equal share of this forward's tokens (the controller folds it into the biases, optim/balancing.py),
+        and model/equal_shares.py then makes the shares equal, moving the tokens it marks in `moved`; without
+        balance_tokens or solve_balance the correction is zero and no token moves."""
         cfg = self.cfg
         f32 = jnp.float32
         gelu = activation("gelu")
@@ -62,5 +65,10 @@ class Router(nnx.Module):
         if self.balance_tokens:
             score = score + jnp.append(correction, 0.0)
         index = jnp.argmax(score, axis=-1).astype(jnp.int32)
+        moved = jnp.zeros(index.shape, bool)
+        if self.balance_tokens:
+            index, moved = equal_shares(score[..., :-1].reshape(-1, cfg.num_experts), index.reshape(-1),
+                                        valid.reshape(-1))
+            index, moved = index.reshape(valid.shape), moved.reshape(valid.shape)
         weight = jnp.take_along_axis(probs, index[..., None], axis=-1)[..., 0]
-        return weight, index, u, probs, correction
+        return weight, index, u, probs, correction, moved

@@ -1,4 +1,4 @@
-"""Per-layer routing statistics of a forward, in one flat fp32 vector per layer [4 E + 6] that adds across
+"""Per-layer routing statistics of a forward, in one flat fp32 vector per layer [4 E + 7] that adds across
 data-parallel ranks with one psum (sums over the counted tokens, padding excluded):
 
     counts       [E+1]  tokens routed to each class (last = skip)
@@ -6,6 +6,7 @@ data-parallel ranks with one psum (sums over the counted tokens, padding exclude
     prob_sq_sum  [E+1]  sum of its square (with prob_sum: the token-to-token spread of the probabilities)
     top1_sum     []     sum of the largest probability (how confident the router is)
     entropy_sum  []     sum of the softmax entropy in nats (log(E+1) = uniform)
+    moved_sum    []     tokens that model/equal_shares.py gave another expert than their balanced selection's
     correction   [E]    the zero-mean change of the E expert biases that would have given every expert the same
                         number of this forward's tokens (balancing_correction), summed over the ranks
     ranks        []     1 per forward (the psum makes it the number of ranks the correction was summed over)
@@ -29,6 +30,7 @@ class RoutingStats(NamedTuple):
     prob_sq_sum: jax.Array
     top1_sum: jax.Array
     entropy_sum: jax.Array
+    moved_sum: jax.Array
     correction: jax.Array
     ranks: jax.Array
 
@@ -79,8 +81,9 @@ def balancing_correction(scores, valid, impl: str = "xla"):
     return checkpoint_name(jnp.where(count >= num_experts, delta, 0.0), CORRECTION_NAME)
 
 
-def token_sums(probs, index, correction, token_mask=None) -> jax.Array:
-    """probs [..., E+1] fp32, index [...], correction [E] -> the flat statistics vector [4 E + 6] of these tokens."""
+def token_sums(probs, index, correction, moved, token_mask=None) -> jax.Array:
+    """probs [..., E+1] fp32, index [...], correction [E], moved [...] bool -> the flat statistics vector [4 E + 7]
+    of these tokens."""
     classes = probs.shape[-1]
     probs = jax.lax.stop_gradient(probs.astype(jnp.float32))
     weight = jnp.ones(index.shape, jnp.float32) if token_mask is None else token_mask.astype(jnp.float32)
@@ -93,20 +96,22 @@ def token_sums(probs, index, correction, token_mask=None) -> jax.Array:
         (probs * probs * w).sum(axes),
         (probs.max(-1) * weight).sum(axes)[None],
         (entropy * weight).sum(axes)[None],
+        (moved.astype(jnp.float32) * weight).sum(axes)[None],
         jax.lax.stop_gradient(correction).astype(jnp.float32),
         jnp.ones((1,), jnp.float32),
     ])
 
 
 def unpack(stats) -> RoutingStats:
-    """[..., 4 E + 6] -> RoutingStats of [..., E+1] / [..., E] / [...] arrays."""
+    """[..., 4 E + 7] -> RoutingStats of [..., E+1] / [..., E] / [...] arrays."""
     stats = jnp.asarray(stats, jnp.float32)
-    experts = (stats.shape[-1] - 6) // 4
-    if 4 * experts + 6 != stats.shape[-1]:
-        raise ValueError(f"routing statistics of width {stats.shape[-1]} are not 4 E + 6")
+    experts = (stats.shape[-1] - 7) // 4
+    if 4 * experts + 7 != stats.shape[-1]:
+        raise ValueError(f"routing statistics of width {stats.shape[-1]} are not 4 E + 7")
     c = experts + 1
     return RoutingStats(stats[..., :c], stats[..., c:2 * c], stats[..., 2 * c:3 * c], stats[..., 3 * c],
-                        stats[..., 3 * c + 1], stats[..., 3 * c + 2:3 * c + 2 + experts], stats[..., -1])
+                        stats[..., 3 * c + 1], stats[..., 3 * c + 2], stats[..., 3 * c + 3:3 * c + 3 + experts],
+                        stats[..., -1])
 
 
 __all__ = ["RoutingStats", "balancing_correction", "token_sums", "unpack", "SOLVE_ROUNDS", "SOLVE_TOKENS",

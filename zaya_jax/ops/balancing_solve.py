@@ -15,13 +15,18 @@ import jax
 import jax.numpy as jnp
 
 
-def _ascending_keys(x):
-    """x [..., N] fp32 -> its order-preserving int32 keys sorted ascending along the last axis. A sort of the
-    keys returns the float sort's order statistics; XLA:CPU sorts int32 about 4x faster than fp32, whose total-order
-    comparator it calls per comparison (most of a CPU train step's solve). The Pallas kernel searches the same keys
-    (its own _key): the reference keeps its copy so that it neither imports Pallas nor shares the kernel's code."""
+def order_keys(x):
+    """x fp32 -> int32 keys in the same order (a < b exactly when key(a) < key(b); -0 below +0). XLA:CPU sorts int32
+    about 4x faster than fp32, whose total-order comparator it calls per comparison. The Pallas kernel searches the
+    same keys (its own _key): the reference keeps its copy so that it neither imports Pallas nor shares the kernel's
+    code."""
     i = jax.lax.bitcast_convert_type(x, jnp.int32)
-    return jax.lax.sort(jnp.where(i < 0, i ^ 0x7FFFFFFF, i), dimension=x.ndim - 1, is_stable=False)
+    return jnp.where(i < 0, i ^ 0x7FFFFFFF, i)
+
+
+def _ascending_keys(x):
+    """x [..., N] fp32 -> its order keys sorted ascending along the last axis (the float sort's order statistics)."""
+    return jax.lax.sort(order_keys(x), dimension=x.ndim - 1, is_stable=False)
 
 
 def _key_value(key):

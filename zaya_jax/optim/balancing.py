@@ -2,9 +2,10 @@
 enforces balance across a microbatch"; Zyphra's exact rule is not public, this one is ours).
 
 In training every router solves, on its own microbatch, the zero-mean change delta [E] of its E expert biases after
-which each expert gets the same share of the microbatch's tokens (model/routing_stats.py: balancing_correction), and
-selects with biases + delta (model/router.py, balance_tokens): balance is enforced within the microbatch whatever
-the router's probabilities look like. After each microbatch, per layer l:
+which each expert gets the same share of the microbatch's tokens (model/routing_stats.py: balancing_correction),
+selects with biases + delta (model/router.py, balance_tokens) and then makes the shares exactly equal
+(model/equal_shares.py): balance is enforced within the microbatch whatever the router's probabilities look like.
+After each microbatch, per layer l:
 
     delta  = mean over data-parallel ranks of their corrections (the routing statistics' psum)
     β[:E] ← β[:E] + learning_rate * delta         the integral term: the stored biases follow what balanced the
@@ -54,6 +55,7 @@ class RoutingHealth(NamedTuple):
     entropy: jax.Array  # mean softmax entropy in nats (log(E+1) = uniform)
     spread: jax.Array  # token-to-token standard deviation of the real experts' probabilities
     skip_fraction: jax.Array  # share of tokens routed to the skip class (should be 0)
+    moved: jax.Array  # share of tokens that equal shares gave another expert (how far the solve left balance)
 
 
 DEAD_LOAD = 0.1
@@ -77,7 +79,7 @@ def routing_health(stats) -> RoutingHealth:
     tokens = jnp.maximum(st.tokens, 1.0)
     return RoutingHealth(share.max(-1), share.min(-1), (share < DEAD_LOAD).sum(-1).astype(jnp.float32),
                          st.top1_sum / tokens, st.entropy_sum / tokens, probability_spread(st),
-                         skip / tokens)
+                         skip / tokens, st.moved_sum / tokens)
 
 
 def probability_spread(st: routing_stats.RoutingStats):
@@ -89,7 +91,7 @@ def probability_spread(st: routing_stats.RoutingStats):
 
 
 def update_biases(biases, state: BalancerState, stats, cfg: BalancerConfig = BalancerConfig()):
-    """biases [L, E+1], stats [L, 4 E + 6] (summed over data parallel) -> (new biases, new state, RoutingHealth)."""
+    """biases [L, E+1], stats [L, 4 E + 7] (summed over data parallel) -> (new biases, new state, RoutingHealth)."""
     biases = jax.lax.stop_gradient(jnp.asarray(biases, jnp.float32))
     stats = jax.lax.stop_gradient(jnp.asarray(stats, jnp.float32))
     st = routing_stats.unpack(stats)

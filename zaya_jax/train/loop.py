@@ -332,6 +332,8 @@ def _progress(start: int, total: int, enabled: bool):
         shown = {"loss": f"{m['loss']:.4f}", "tok/s": f"{m['tokens_per_s']:.0f}" if "tokens_per_s" in m else "-"}
         if "max_load" in m:  # the worst layer's expert loads relative to uniform
             shown["load"] = f"{m['max_load']:.2f}/{m['min_load']:.2f}"
+        if m.get("moved"):  # tokens that equal shares moved: how far the solve left the experts from balance
+            shown["moved"] = f"{100 * m['moved']:.1f}%"
         if "mfu" in m:
             shown["mfu"] = f"{100 * m['mfu']:.1f}%"
         bar.set_postfix(shown)

@@ -1,6 +1,6 @@
 """Routing health as logged metrics: the step's per-layer figures (`routing/NAME`, arrays [L]) become one scalar
 per layer (`routing/NAME/layer_NN`) plus the worst layer's value under the plain name (`max_load`, `min_load`,
-`dead_experts`, `skip_fraction`), which the console shows; and the per-layer table of a logged row."""
+`dead_experts`, `skip_fraction`, `moved`), which the console shows; and the per-layer table of a logged row."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 
 PREFIX = "routing/"
 # the worst layer of each figure that has a bad direction
-WORST = {"max_load": np.max, "min_load": np.min, "dead_experts": np.max, "skip_fraction": np.max}
-COLUMNS = ("max_load", "min_load", "dead_experts", "top1_prob", "entropy", "spread", "skip_fraction")
+WORST = {"max_load": np.max, "min_load": np.min, "dead_experts": np.max, "skip_fraction": np.max, "moved": np.max}
+COLUMNS = ("max_load", "min_load", "dead_experts", "top1_prob", "entropy", "spread", "skip_fraction", "moved")
 
 
 def flatten(metrics: dict) -> dict[str, float]:

@@ -235,7 +235,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, balancer: Balanc
 
 def make_eval_step(graphdef, num_sources: int, *, reset_at_documents: bool = False):
     """Summed loss and token count per source (rows with source_id -1 are padding), and the routing statistics
-    of the real rows [L, 4 E + 6] (model/routing_stats.py): evaluation routes as inference does, with the stored
+    of the real rows [L, 4 E + 7] (model/routing_stats.py): evaluation routes as inference does, with the stored
     balancing biases alone."""
 
     def eval_step(params, model_state, batch):

@@ -1,0 +1,93 @@
+"""Equal expert shares (model/equal_shares.py) against a plain-loop replay of the same greedy assignment, on fresh
+random scores with padding tokens and tokens routed to the skip class, and its invariants."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from zaya_jax.model.equal_shares import REFILL_ROUNDS, equal_shares
+
+
+def fresh_rng():
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    return np.random.default_rng(seed), seed
+
+
+def replay(scores, index, valid):
+    """The assignment token by token: shares, the over-full experts' lowest margins handed on (padding first),
+    REFILL_ROUNDS rounds of bids for the best expert with room (highest score wins), the rest in token order."""
+    n, E = scores.shape
+    routed = index < E
+    counts = np.bincount(index[routed], minlength=E)
+    total = counts.sum()
+    place = np.empty(E, int)
+    place[sorted(range(E), key=lambda e: (-counts[e], e))] = np.arange(E)
+    share = total // E + (place < total % E)
+    new = index.copy()
+    moving = []
+    for e in range(E):
+        mine = [t for t in range(n) if index[t] == e]
+        margin = {t: scores[t, e] - np.delete(scores[t], e).max() if valid[t] else -np.inf for t in mine}
+        mine.sort(key=lambda t: (-margin[t], t))
+        moving += mine[share[e]:]
+    moving.sort()
+    room = share - np.minimum(counts, share)
+    for _ in range(REFILL_ROUNDS):
+        target = {t: max((e for e in range(E) if room[e] > 0), key=lambda e: (scores[t, e], -e)) for t in moving}
+        won = []
+        for e in range(E):
+            bidders = sorted((t for t in moving if target[t] == e),
+                             key=lambda t: (-(scores[t, e] if valid[t] else -np.inf), t))
+            won += bidders[:room[e]]
+            for t in bidders[:room[e]]:
+                new[t] = e
+            room[e] -= len(bidders[:room[e]])
+        moving = [t for t in moving if t not in won]
+    for t in moving:
+        e = int(np.flatnonzero(room > 0)[0])
+        new[t], room[e] = e, room[e] - 1
+    return new
+
+
+@pytest.mark.parametrize("n, experts", [(96, 4), (250, 8)])
+def test_shares_are_equal_and_match_the_replay(n, experts):
+    rng, seed = fresh_rng()
+    scores = (rng.normal(size=(n, experts)) * 1e-3 + rng.normal(size=experts) * 2e-3).astype(np.float32)
+    index = scores.argmax(-1)
+    index[rng.random(n) < 0.05] = experts  # the skip class
+    valid = rng.random(n) < 0.9
+    new, moved = jax.jit(equal_shares)(jnp.asarray(scores), jnp.asarray(index, jnp.int32), jnp.asarray(valid))
+    new, moved = np.asarray(new), np.asarray(moved)
+    np.testing.assert_array_equal(new, replay(scores, index, valid), err_msg=f"seed {seed}")
+    routed = index < experts
+    counts = np.bincount(new[routed], minlength=experts)
+    assert counts.max() - counts.min() <= 1 and counts.sum() == routed.sum(), (counts, f"seed {seed}")
+    np.testing.assert_array_equal(new[~routed], experts)
+    np.testing.assert_array_equal(moved, new != index)
+    before = np.bincount(index[routed], minlength=experts)
+    assert not np.any(moved & routed & (before[np.minimum(index, experts - 1)] <= counts.max() - 1)), f"seed {seed}"
+
+
+def test_handed_on_tokens_are_the_least_attached_padding_first():
+    rng, seed = fresh_rng()
+    n, experts = 64, 4
+    scores = rng.normal(size=(n, experts)).astype(np.float32) * 1e-2
+    scores[:, 0] += 1e-2  # expert 0 leads most tokens
+    index = scores.argmax(-1)
+    valid = np.ones(n, bool)
+    valid[rng.choice(np.flatnonzero(index == 0), 3, replace=False)] = False
+    new, moved = map(np.asarray, equal_shares(jnp.asarray(scores), jnp.asarray(index, jnp.int32), jnp.asarray(valid)))
+    out = moved & (index == 0)
+    assert np.all(out[~valid]), f"seed {seed}"
+    stay = ~moved & (index == 0)
+    margin = scores[:, 0] - scores[:, 1:].max(-1)
+    assert margin[stay].min() >= margin[out & valid].max(), f"seed {seed}"
+
+
+def test_balanced_forward_is_left_alone():
+    index = jnp.arange(64, dtype=jnp.int32) % 8
+    scores = jax.nn.one_hot(index, 8) + 0.01 * jax.random.normal(jax.random.key(0), (64, 8))
+    new, moved = equal_shares(scores, index, jnp.ones(64, bool))
+    np.testing.assert_array_equal(new, index)
+    assert not np.any(moved)
