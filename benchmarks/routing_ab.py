@@ -10,6 +10,7 @@ Runs:
   xla_solve    the same with the XLA rounds (solve_impl 'xla')
   controller_units128  the controller with each expert's rows padded to whole 128-row tiles of the grouped GEMM
                (by default to 64-row units, the last tile of an expert running 64 rows)
+  rounds12     the controller with 12 solve rounds instead of 24 (equal shares moving more tokens)
   random       each token to a random expert and nothing solving: groups as uneven as sampling makes them, each
                padded to the grouped GEMM's row tiles, as the controller's are
   round_robin  token i to expert i mod E and nothing solving: equal groups of whole row tiles (no padding)
@@ -39,6 +40,7 @@ RUNS = {
     "controller": ([], {}),
     "xla_solve": (["--config.model.overrides.solve_impl=xla"], {}),
     "controller_units128": ([], {"BLOCK_ROWS": "128"}),
+    "rounds12": ([], {"SOLVE_ROUNDS": "12"}),
     "round_robin": (["--config.balancing.learning_rate=0.0"], {"ROUTING": "round_robin"}),
     "random": (["--config.balancing.learning_rate=0.0"], {"ROUTING": "random"}),
     "collapsed": (["--config.balancing.learning_rate=0.0"], {}),
