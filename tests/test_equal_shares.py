@@ -91,3 +91,28 @@ def test_balanced_forward_is_left_alone():
     new, moved = equal_shares(scores, index, jnp.ones(64, bool))
     np.testing.assert_array_equal(new, index)
     assert not np.any(moved)
+
+
+def sorts_in(jaxpr) -> int:
+    from jax.extend.core import jaxprs_in_params
+    return sum(1 if e.primitive.name == "sort" else sum(sorts_in(j) for j in jaxprs_in_params(e.params))
+               for e in jaxpr.eqns)
+
+
+@pytest.mark.parametrize("remat", ["full", "save_dots"])
+def test_the_backward_reuses_the_forward_routing(remat):
+    """The remat policies keep the balancing correction and the final experts, so the backward's recomputation of a
+    layer neither solves nor shares out again: the gradient program sorts as often as the forward alone."""
+    from flax import nnx
+    from hf_reference.jax_side import random_model
+    from zaya_jax.config import preset
+    from zaya_jax.train.step import make_loss_fn
+    model = random_model(preset("tiny", num_hidden_layers=2, dtype="float32", remat=remat, moe_impl="dense"), seed=3)
+    graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
+    ids = jnp.asarray(np.random.default_rng(0).integers(3, 500, (2, 33)), jnp.int32)
+    batch = {"inputs": ids[:, :-1], "targets": ids[:, 1:], "loss_mask": jnp.ones((2, 32), jnp.float32),
+             "source_ids": jnp.zeros((2,), jnp.int32)}
+    loss = make_loss_fn(graphdef, reset_at_documents=False)
+    forward = sorts_in(jax.make_jaxpr(loss)(params, model_state, batch).jaxpr)
+    both = sorts_in(jax.make_jaxpr(jax.grad(lambda p: loss(p, model_state, batch)[0]))(params).jaxpr)
+    assert forward > 0 and both == forward, (forward, both)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
 
 from zaya_jax.config import ModelConfig
@@ -69,6 +70,7 @@ class Router(nnx.Module):
         if self.balance_tokens:
             index, moved = equal_shares(score[..., :-1].reshape(-1, cfg.num_experts), index.reshape(-1),
                                         valid.reshape(-1))
-            index, moved = index.reshape(valid.shape), moved.reshape(valid.shape)
+            index = checkpoint_name(index.reshape(valid.shape), routing_stats.SELECTION_NAME)
+            moved = moved.reshape(valid.shape)
         weight = jnp.take_along_axis(probs, index[..., None], axis=-1)[..., 0]
         return weight, index, u, probs, correction, moved

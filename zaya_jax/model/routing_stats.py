@@ -55,6 +55,7 @@ SOLVE_TOKENS = 2048
 SOLVE_DAMPING = 0.9
 SOLVE_MOMENTUM = 0.4
 CORRECTION_NAME = "balancing_correction"  # its checkpoint_name: remat policies keep it (model/zaya.py)
+SELECTION_NAME = "routed_experts"  # the train step's final expert per token (model/router.py), kept likewise
 
 
 def balancing_correction(scores, valid, impl: str = "xla"):
@@ -115,4 +116,4 @@ def unpack(stats) -> RoutingStats:
 
 
 __all__ = ["RoutingStats", "balancing_correction", "token_sums", "unpack", "SOLVE_ROUNDS", "SOLVE_TOKENS",
-           "SOLVE_DAMPING", "SOLVE_MOMENTUM", "CORRECTION_NAME"]
+           "SOLVE_DAMPING", "SOLVE_MOMENTUM", "CORRECTION_NAME", "SELECTION_NAME"]

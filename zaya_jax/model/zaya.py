@@ -40,9 +40,11 @@ class ForwardAux:
 
 jax.tree_util.register_dataclass(ForwardAux, data_fields=["router_stats"], meta_fields=[])
 
-# Every policy keeps the routers' balancing corrections ([E] per layer): the backward's recomputation reuses them
-# instead of solving again (model/routing_stats.py: balancing_correction).
-_KEEP_CORRECTION = jax.checkpoint_policies.save_only_these_names(routing_stats.CORRECTION_NAME)
+# Every policy keeps the routers' balancing corrections ([E] per layer) and the train step's final experts ([N] per
+# layer): the backward's recomputation reuses them instead of solving and sharing out again (model/routing_stats.py,
+# model/equal_shares.py).
+_KEEP_CORRECTION = jax.checkpoint_policies.save_only_these_names(routing_stats.CORRECTION_NAME,
+                                                                 routing_stats.SELECTION_NAME)
 _REMAT = {name: jax.checkpoint_policies.save_from_both_policies(policy, _KEEP_CORRECTION) for name, policy in {
     "full": jax.checkpoint_policies.nothing_saveable,
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
