@@ -3,8 +3,10 @@ microbatch, at the library's constants: the XLA rounds (a sort each) against the
 pallas_kernels/balancing_solve.py) at its defaults and at other token chunks and warp counts; same
 inputs, one process; per step = 16 microbatches x 8 layers. Medians of 7 repeats of 50 calls. --baseline FILE (may
 repeat) times other versions of the kernel module in the same run (`git show REV:pallas_kernels/balancing_solve.py`).
+Then equal shares (model/equal_shares.py) on the scores plus the solve's correction, as the train step runs it
+(--equal-shares-only: that alone).
 
-python -m benchmarks.bench_routing_solve [--out FILE.json] [--baseline FILE ...]"""
+python -m benchmarks.bench_routing_solve [--out FILE.json] [--baseline FILE ...] [--equal-shares-only]"""
 
 import contextlib
 import importlib.util
@@ -18,6 +20,7 @@ import numpy as np
 from benchmarks.systems.timing import seconds_per_call
 from pallas_kernels import balancing_solve as kernel
 from zaya_jax.model import routing_stats as rs
+from zaya_jax.model.equal_shares import equal_shares
 
 N, E, CALLS_PER_STEP = 8192, 16, 16 * 8
 
@@ -59,6 +62,8 @@ variants = [("pallas", None, None, None)] + [("pallas", 2048, warps, None) for w
     ("pallas", 512, 4, None)]
 if baselines:  # interleaved with this version's default
     variants = [("pallas", None, None, b) for b in baselines + [None]] * 2 + variants[1:]
+if "--equal-shares-only" in sys.argv:
+    variants = []
 for impl, chunk, warps, module in [("xla", None, None, None)] + variants + [("xla", None, None, None)]:
     try:
         us, delta = time_solve(impl, chunk, warps, module)
@@ -75,6 +80,22 @@ xla = np.median([r["us_per_solve"] for r in rows if r["impl"] == "xla"])
 for r in rows:
     if "us_per_solve" in r:
         r["xla_over_this"] = round(xla / r["us_per_solve"], 3)
+
+def time_equal_shares():
+    """After the solve: equal shares on the scores plus its correction (the selection's own imbalance)."""
+    x = jax.random.uniform(jax.random.key(0), (N, E)) * 1e-3
+    valid = jnp.ones(N, bool)
+    scores = x + rs.balancing_correction(x, valid, "xla")
+    index = jnp.argmax(scores, -1).astype(jnp.int32)
+    f = jax.jit(lambda s, i: equal_shares(s, i, valid))
+    moved = int(f(scores, index)[1].sum())
+    us = seconds_per_call(f, scores, index, reps=7, calls=50, warmup=0) * 1e6
+    return dict(impl="equal_shares", us_per_call=round(us, 1), ms_per_step=round(us * CALLS_PER_STEP / 1e3, 2),
+                moved_tokens=moved)
+
+
+rows.append(time_equal_shares())
+print(rows[-1], flush=True)
 if "--out" in sys.argv:
     json.dump(dict(device=jax.devices()[0].device_kind, shape=[N, E], rows=rows),
               open(sys.argv[sys.argv.index("--out") + 1], "w"), indent=1)
