@@ -25,13 +25,19 @@ from zaya_jax.ops.balancing_solve import order_keys
 REFILL_ROUNDS = 2
 
 
+def _sizes(group, num_groups: int):
+    """[num_groups] token counts of group [N] (values num_groups and above counted nowhere): a reduction, which XLA
+    fuses, where a scatter-add would be a kernel of its own."""
+    return jax.nn.one_hot(group, num_groups, dtype=jnp.int32).sum(0)
+
+
 def _ranks_within_groups(group, priority, num_groups: int):
     """group [N] int32 in [0, num_groups], priority [N] int32 -> each token's rank within its group, highest
     priority first, ties in token order."""
     n = group.shape[0]
     iota = jnp.arange(n, dtype=jnp.int32)
     sorted_group, _, order = jax.lax.sort((group, ~priority, iota), num_keys=2, is_stable=True)  # ~p: descending
-    sizes = jnp.zeros(num_groups + 1, jnp.int32).at[group].add(1)
+    sizes = _sizes(group, num_groups + 1)
     start = jnp.cumsum(sizes) - sizes
     return jnp.zeros(n, jnp.int32).at[order].set(iota - start[sorted_group])
 
@@ -47,10 +53,12 @@ def equal_shares(scores, index, valid):
     n, E = scores.shape
     routed = index < E
     expert = jnp.where(routed, index, E).astype(jnp.int32)
-    counts = jnp.zeros(E + 1, jnp.int32).at[expert].add(1)[:E]
+    counts = _sizes(expert, E)
     total = counts.sum()
-    place = jnp.zeros(E, jnp.int32).at[jnp.argsort(-counts, stable=True)].set(jnp.arange(E, dtype=jnp.int32))
-    share = total // E + (place < total % E).astype(jnp.int32)
+    # each expert's place when ordered by count, most first, ties by id (the remainder's extra tokens go first)
+    ids = jnp.arange(E)
+    ahead = (counts[None, :] > counts[:, None]) | ((counts[None, :] == counts[:, None]) & (ids[None, :] < ids[:, None]))
+    share = total // E + (ahead.sum(1) < total % E).astype(jnp.int32)
 
     own = _score_of(scores, expert)
     other = jnp.where(jax.nn.one_hot(expert, E, dtype=bool), -jnp.inf, scores).max(-1)
@@ -64,9 +72,11 @@ def equal_shares(scores, index, valid):
         priority = order_keys(jnp.where(valid, _score_of(scores, target), -jnp.inf))
         won = moving & (_ranks_within_groups(bid, priority, E) < room[target])
         new = jnp.where(won, target, new)
-        room = room - jnp.zeros(E + 1, jnp.int32).at[jnp.where(won, target, E)].add(1)[:E]
+        room = room - _sizes(jnp.where(won, target, E), E)
         moving = moving & ~won
-    fill = jnp.searchsorted(jnp.cumsum(room), jnp.cumsum(moving) - 1, side="right").astype(jnp.int32)
+    # the k-th token left goes to the expert whose room, counted from expert 0, holds slot k
+    slot = jnp.cumsum(moving) - 1
+    fill = (jnp.cumsum(room)[None, :] <= slot[:, None]).sum(1).astype(jnp.int32)
     new = jnp.where(moving, fill, new)
     return jnp.where(routed, new, index).astype(index.dtype), routed & (new != expert)
 
