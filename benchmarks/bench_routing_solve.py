@@ -55,6 +55,19 @@ def time_solve(impl, chunk=None, warps=None, module=None):
     return seconds_per_call(f, x, reps=7, calls=50, warmup=0) * 1e6, np.asarray(delta)
 
 
+def time_equal_shares():
+    """After the solve: equal shares on the scores plus its correction (the selection's own imbalance)."""
+    x = jax.random.uniform(jax.random.key(0), (N, E)) * 1e-3
+    valid = jnp.ones(N, bool)
+    scores = x + rs.balancing_correction(x, valid, "xla")
+    index = jnp.argmax(scores, -1).astype(jnp.int32)
+    f = jax.jit(lambda s, i: equal_shares(s, i, valid))
+    moved = int(f(scores, index)[1].sum())
+    us = seconds_per_call(f, scores, index, reps=7, calls=50, warmup=0) * 1e6
+    return dict(impl="equal_shares", us_per_call=round(us, 1), ms_per_step=round(us * CALLS_PER_STEP / 1e3, 2),
+                moved_tokens=moved)
+
+
 default_chunk = kernel.CHUNK
 baselines = [sys.argv[i + 1] for i, a in enumerate(sys.argv) if a == "--baseline"]
 rows, reference = [], None
@@ -80,20 +93,6 @@ xla = np.median([r["us_per_solve"] for r in rows if r["impl"] == "xla"])
 for r in rows:
     if "us_per_solve" in r:
         r["xla_over_this"] = round(xla / r["us_per_solve"], 3)
-
-def time_equal_shares():
-    """After the solve: equal shares on the scores plus its correction (the selection's own imbalance)."""
-    x = jax.random.uniform(jax.random.key(0), (N, E)) * 1e-3
-    valid = jnp.ones(N, bool)
-    scores = x + rs.balancing_correction(x, valid, "xla")
-    index = jnp.argmax(scores, -1).astype(jnp.int32)
-    f = jax.jit(lambda s, i: equal_shares(s, i, valid))
-    moved = int(f(scores, index)[1].sum())
-    us = seconds_per_call(f, scores, index, reps=7, calls=50, warmup=0) * 1e6
-    return dict(impl="equal_shares", us_per_call=round(us, 1), ms_per_step=round(us * CALLS_PER_STEP / 1e3, 2),
-                moved_tokens=moved)
-
-
 rows.append(time_equal_shares())
 print(rows[-1], flush=True)
 if "--out" in sys.argv:
