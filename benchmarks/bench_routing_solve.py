@@ -75,9 +75,8 @@ variants = [("pallas", None, None, None)] + [("pallas", 2048, warps, None) for w
     ("pallas", 512, 4, None)]
 if baselines:  # interleaved with this version's default
     variants = [("pallas", None, None, b) for b in baselines + [None]] * 2 + variants[1:]
-if "--equal-shares-only" in sys.argv:
-    variants = []
-for impl, chunk, warps, module in [("xla", None, None, None)] + variants + [("xla", None, None, None)]:
+solves = [("xla", None, None, None)] + variants + [("xla", None, None, None)]
+for impl, chunk, warps, module in [] if "--equal-shares-only" in sys.argv else solves:
     try:
         us, delta = time_solve(impl, chunk, warps, module)
     except Exception as err:  # a variant Triton cannot compile (registers) is reported, not fatal
@@ -89,10 +88,10 @@ for impl, chunk, warps, module in [("xla", None, None, None)] + variants + [("xl
                      us_per_solve=round(us, 1), ms_per_step=round(us * CALLS_PER_STEP / 1e3, 2),
                      max_abs_diff_vs_xla=float(np.abs(delta - reference).max())))
     print(rows[-1], flush=True)
-xla = np.median([r["us_per_solve"] for r in rows if r["impl"] == "xla"])
+xla = [r["us_per_solve"] for r in rows if r["impl"] == "xla"]
 for r in rows:
     if "us_per_solve" in r:
-        r["xla_over_this"] = round(xla / r["us_per_solve"], 3)
+        r["xla_over_this"] = round(np.median(xla) / r["us_per_solve"], 3)
 rows.append(time_equal_shares())
 print(rows[-1], flush=True)
 if "--out" in sys.argv:
