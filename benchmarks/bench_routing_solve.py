@@ -78,7 +78,23 @@ def time_equal_shares():
                          ms_per_step=round(us * CALLS_PER_STEP / 1e3, 2), moved_tokens=int(outs[impl][1].sum()),
                          same_assignment_as_xla=same))
     rows[-1]["xla_over_this"] = round(rows[0]["us_per_call"] / rows[-1]["us_per_call"], 2)
+    rows[-1]["us_per_launch"] = time_equal_shares_launches(scores, index, valid)
     return rows
+
+
+def time_equal_shares_launches(scores, index, valid):
+    """Each Pallas launch of equal shares alone, on the inputs the train step gives it (the bid round after the
+    hand-on, the fill after both rounds)."""
+    from pallas_kernels import equal_shares as kernels
+    padded = kernels.padded_inputs(scores, index, valid)
+    keep, bid, fill = (jax.jit(f) for f in kernels.launches(E, padded[0]))
+    state = keep(*padded, padded[2])
+    after_one = bid(*padded, state, state)
+    after_bids = bid(*padded, after_one, after_one)
+    timed = {"pad": (jax.jit(kernels.padded_inputs), (scores, index, valid)), "keep": (keep, (*padded, padded[2])),
+             "bid": (bid, (*padded, state, state)), "fill": (fill, (padded[2], after_bids))}
+    return {name: round(seconds_per_call(f, *args, reps=7, calls=50, warmup=0) * 1e6, 1)
+            for name, (f, args) in timed.items()}
 
 
 default_chunk = kernel.CHUNK

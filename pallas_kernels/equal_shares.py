@@ -38,12 +38,19 @@ def _parts(num_tokens: int):
     return [pl.ds(start, min(CHUNK, num_tokens - start)) for start in range(0, num_tokens, CHUNK)]
 
 
+def _total(blocks):
+    """Equal-shape int32 blocks added elementwise, so that a count over all the tokens is one reduction (each
+    reduction's synchronisation across warps, not the arithmetic, is what a pass costs)."""
+    return functools.reduce(jnp.add, [b.astype(I32) for b in blocks])
+
+
+def _count(blocks) -> jax.Array:
+    return jnp.sum(_total(blocks))
+
+
 def _counts(ref, rows):
     """[E'] tokens of ref [N'] int32 at each value of rows."""
-    total = jnp.zeros(rows.shape, I32)
-    for part in _parts(ref.shape[0]):
-        total = total + jnp.sum((ref[part][None, :] == rows[:, None]).astype(I32), axis=1)
-    return total
+    return jnp.sum(_total([ref[part][None, :] == rows[:, None] for part in _parts(ref.shape[0])]), axis=1)
 
 
 def _shares(counts, rows, num_experts: int):
@@ -58,36 +65,49 @@ def _shares(counts, rows, num_experts: int):
 
 
 def _largest(keys, rank):
-    """keys: int32 blocks, rank >= 0 -> the largest key k with at least `rank` keys >= k (the rank-th largest for
-    rank >= 1, INT_MAX for 0). Most significant digit first: the answer's offset from INT_MIN is built one 4-bit
-    digit per pass (int32 arithmetic wraps, which is what the first digit's offsets need)."""
+    """keys: equal-shape int32 blocks, rank >= 0 -> the largest key k with at least `rank` keys >= k (the rank-th
+    largest for rank >= 1, INT_MAX for 0). Most significant digit first: the answer's offset from INT_MIN is built
+    one 4-bit digit per pass (int32 arithmetic wraps, which is what the first digit's offsets need)."""
     prefix = jnp.full((), INT_MIN, I32)
     digits = jnp.arange(1 << DIGIT_BITS, dtype=I32)
     for shift in range(32 - DIGIT_BITS, -1, -DIGIT_BITS):
         candidates = prefix + jax.lax.shift_left(digits, jnp.full(digits.shape, shift, I32))
-        at_or_above = jnp.zeros(digits.shape, I32)
-        for block in keys:
-            at_or_above = at_or_above + jnp.sum((block[None, :] >= candidates[:, None]).astype(I32), axis=1)
+        at_or_above = jnp.sum(_total([block[None, :] >= candidates[:, None] for block in keys]), axis=1)
         # candidate 0 always holds `rank` keys (the invariant), so the digit is the number of others that do
         digit = jnp.sum((at_or_above >= rank).astype(I32)) - 1
         prefix = prefix + jax.lax.shift_left(digit, jnp.full((), shift, I32))
     return prefix
 
 
-def _first(keys, quota):
-    """keys: int32 blocks (INT_MIN: not in the group) -> bool blocks: the group's `quota` keys of the highest
-    priority, ties in token order (all of the group when it holds no more than quota)."""
-    members = sum(jnp.sum((block > INT_MIN).astype(I32)) for block in keys)
-    threshold = _largest(keys, jnp.minimum(quota, members))
-    above = sum(jnp.sum((block > threshold).astype(I32)) for block in keys)
-    ties_left = jnp.minimum(quota, members) - above
-    chosen, ties_before = [], jnp.zeros((), I32)
-    for block in keys:
-        tie = (block == threshold) & (block > INT_MIN)
-        order = ties_before + jnp.cumsum(tie.astype(I32)) - tie.astype(I32)
-        ties_before = ties_before + jnp.sum(tie.astype(I32))
-        chosen.append((block > threshold) | (tie & (order < ties_left)))
-    return chosen
+def _write_first(ref, keys, quota, value, *, chosen: bool):
+    """keys: int32 blocks of ref's tokens (INT_MIN: not in the group). Writes `value` at the group's `quota` keys of
+    the highest priority, ties in token order (chosen=True; all of the group when it holds no more than quota), or
+    at the group's other keys (chosen=False)."""
+    parts = _parts(ref.shape[0])
+    rank = jnp.minimum(quota, _count([block > INT_MIN for block in keys]))
+    threshold = _largest(keys, rank)
+    ties_left = rank - _count([block > threshold for block in keys])
+
+    def write(picked):
+        for part, block, p in zip(parts, keys, picked):
+            plgpu.store(ref.at[part], jnp.full(block.shape, value, I32), mask=p if chosen else (block > INT_MIN) & ~p)
+
+    # usually every key at the threshold is taken; only a tie across it needs the token order (a cumsum)
+    all_ties = _count([block == threshold for block in keys]) == ties_left
+
+    @pl.when(all_ties)
+    def _():
+        write([block >= threshold for block in keys])
+
+    @pl.when(~all_ties)
+    def _():
+        picked, before = [], jnp.zeros((), I32)
+        for block in keys:
+            tie = (block == threshold).astype(I32)
+            order = before + jnp.cumsum(tie) - tie
+            before = before + jnp.sum(tie)
+            picked.append((block > threshold) | ((tie != 0) & (order < ties_left)))
+        write(picked)
 
 
 def _keep_kernel(scores_ref, valid_ref, index_ref, aliased_ref, state_ref, *, num_experts):
@@ -105,8 +125,7 @@ def _keep_kernel(scores_ref, valid_ref, index_ref, aliased_ref, state_ref, *, nu
             other = jnp.max(jnp.where(rows[:, None] == e, -jnp.inf, s), axis=0)
             margin = jnp.where(valid_ref[part] != 0, _key(scores_ref[pl.ds(e, 1), part][0] - other), NEG_INF_KEY)
             keys.append(jnp.where(index_ref[part] == e, margin, INT_MIN))
-        for part, block, kept in zip(_parts(index_ref.shape[0]), keys, _first(keys, share)):
-            plgpu.store(state_ref.at[part], jnp.full(block.shape, MOVING, I32), mask=(block > INT_MIN) & ~kept)
+        _write_first(state_ref, keys, share, MOVING, chosen=False)
 
 
 def _bid_kernel(scores_ref, valid_ref, index_ref, state_ref, aliased_ref, new_state_ref, *, num_experts):
@@ -126,57 +145,87 @@ def _bid_kernel(scores_ref, valid_ref, index_ref, state_ref, aliased_ref, new_st
         priority = jnp.where(valid_ref[part] != 0, _key(score), NEG_INF_KEY)
         keys.append(jnp.where((state_ref[part] == MOVING) & (target == t), priority, INT_MIN))
 
-    @pl.when(sum(jnp.sum((block > INT_MIN).astype(I32)) for block in keys) > 0)
+    @pl.when(_count([block > INT_MIN for block in keys]) > 0)
     def _():
-        for part, block, won in zip(_parts(index_ref.shape[0]), keys, _first(keys, _pick(room, t))):
-            plgpu.store(new_state_ref.at[part], jnp.full(block.shape, t, I32), mask=(block > INT_MIN) & won)
+        _write_first(new_state_ref, keys, _pick(room, t), t, chosen=True)
 
 
 def _fill_kernel(index_ref, state_ref, index_out, moved_out, *, num_experts, padded_experts):
     """One program: the k-th token still MOVING, in token order, goes to the expert whose room (counted from expert
     0) holds slot k."""
+    parts = _parts(index_ref.shape[0])
     rows = jnp.arange(padded_experts, dtype=I32)
     real = rows < num_experts
-    room = jnp.where(real, _shares(_counts(index_ref, rows), rows, num_experts) - _counts(state_ref, rows), 0)
-    room_through = jnp.sum(jnp.where(rows[None, :] <= rows[:, None], room[None, :], 0), axis=1)
-    before = jnp.zeros((), I32)
-    for part in _parts(index_ref.shape[0]):
-        state, index = state_ref[part], index_ref[part]
-        moving = (state == MOVING).astype(I32)
-        slot = before + jnp.cumsum(moving) - 1
-        before = before + jnp.sum(moving)
-        fill = jnp.sum(((room_through[:, None] <= slot[None, :]) & real[:, None]).astype(I32), axis=0)
-        new = jnp.where(moving != 0, fill, state)
-        routed = index < num_experts
-        index_out[part] = jnp.where(routed, new, index)
-        moved_out[part] = (routed & (new != index)).astype(I32)
+
+    def write(filled):
+        for part, new in zip(parts, filled):
+            index = index_ref[part]
+            routed = index < num_experts
+            index_out[part] = jnp.where(routed, new, index)
+            moved_out[part] = (routed & (new != index)).astype(I32)
+
+    left = _count([state_ref[part] == MOVING for part in parts])
+
+    @pl.when(left == 0)
+    def _():
+        write([state_ref[part] for part in parts])
+
+    @pl.when(left > 0)
+    def _():
+        room = jnp.where(real, _shares(_counts(index_ref, rows), rows, num_experts) - _counts(state_ref, rows), 0)
+        room_through = jnp.sum(jnp.where(rows[None, :] <= rows[:, None], room[None, :], 0), axis=1)
+        filled, before = [], jnp.zeros((), I32)
+        for part in parts:
+            state = state_ref[part]
+            moving = (state == MOVING).astype(I32)
+            slot = before + jnp.cumsum(moving) - 1
+            before = before + jnp.sum(moving)
+            fill = jnp.sum(((room_through[:, None] <= slot[None, :]) & real[:, None]).astype(I32), axis=0)
+            filled.append(jnp.where(moving != 0, fill, state))
+        write(filled)
 
 
 def _warps() -> int:
     return 4 if platform.vendor() == "rocm" else 8  # 256 threads: 4 keys of a CHUNK each
 
 
-def equal_shares(scores, index, valid, *, refill_rounds: int):
-    """scores [N, E] fp32, index [N] int32 in [0, E], valid [N] bool -> (index [N] int32, moved [N] bool): the
-    reference's assignment exactly."""
+def padded_inputs(scores, index, valid):
+    """The kernels' operands: scores [E', N'] fp32 (experts padded with -inf), valid [N'] int32, index [N'] int32
+    (padded tokens in the skip class E)."""
     num_tokens, num_experts = scores.shape
     pe, pn = pl.next_power_of_2(num_experts), pl.next_power_of_2(num_tokens)
     scores = jnp.pad(jax.lax.stop_gradient(scores).astype(jnp.float32).T, ((0, 0), (0, pn - num_tokens)))
     scores = jnp.pad(scores, ((0, pe - num_experts), (0, 0)), constant_values=-jnp.inf)
     index = jnp.pad(index.astype(I32), (0, pn - num_tokens), constant_values=num_experts)
     valid = jnp.pad(valid.astype(I32), (0, pn - num_tokens))
-    scores, valid, index = vma.vary_to_union(scores, valid, index)
+    return vma.vary_to_union(scores, valid, index)
+
+
+def launches(num_experts: int, scores):
+    """(keep, bid, fill) for padded scores [E', N']: keep(scores, valid, index, index) -> state;
+    bid(scores, valid, index, state, state) -> state; fill(index, state) -> (index, moved as int32). The last
+    operand of keep and bid is written in place (aliased); the programs read the one before it, which stays as it
+    was."""
+    pe, pn = scores.shape
     state = vma.out_struct((pn,), I32, scores)
+    params = platform.compiler_params(_warps(), 1)
     call = functools.partial(pl.pallas_call, grid=(num_experts,), out_shape=state, interpret=platform.interpret(),
-                             compiler_params=platform.compiler_params(_warps(), 1))
-    # the state operand is written in place (aliased); the copy of it the programs read stays unchanged
+                             compiler_params=params)
     keep = call(functools.partial(_keep_kernel, num_experts=num_experts), input_output_aliases={3: 0})
     bid = call(functools.partial(_bid_kernel, num_experts=num_experts), input_output_aliases={4: 0})
     fill = pl.pallas_call(functools.partial(_fill_kernel, num_experts=num_experts, padded_experts=pe), grid=(1,),
-                          out_shape=(state, state), interpret=platform.interpret(),
-                          compiler_params=platform.compiler_params(_warps(), 1))
-    assigned = keep(scores, valid, index, index)
+                          out_shape=(state, state), interpret=platform.interpret(), compiler_params=params)
+    return keep, bid, fill
+
+
+def equal_shares(scores, index, valid, *, refill_rounds: int):
+    """scores [N, E] fp32, index [N] int32 in [0, E], valid [N] bool -> (index [N] int32, moved [N] bool): the
+    reference's assignment exactly."""
+    num_tokens, num_experts = scores.shape
+    scores, valid, index = padded_inputs(scores, index, valid)
+    keep, bid, fill = launches(num_experts, scores)
+    state = keep(scores, valid, index, index)
     for _ in range(int(refill_rounds)):
-        assigned = bid(scores, valid, index, assigned, assigned)
-    new, moved = fill(index, assigned)
+        state = bid(scores, valid, index, state, state)
+    new, moved = fill(index, state)
     return new[:num_tokens], moved[:num_tokens] != 0

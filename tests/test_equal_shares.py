@@ -173,8 +173,8 @@ def test_radix_search_finds_the_sorted_key():
     from pallas_kernels.balancing_solve import INT_MIN, _key
     from pallas_kernels.equal_shares import _largest
     rng, seed = fresh_rng()
-    values = np.concatenate([rng.choice([-1, 1], 100) * 10.0 ** rng.uniform(-38, 38, 100), np.full(20, 0.25),
-                             [0.0, -0.0, np.inf, -np.inf]]).astype(np.float32)
+    values = np.concatenate([rng.choice([-1, 1], 100) * 10.0 ** rng.uniform(-38, 38, 100), np.full(24, 0.25),
+                             [0.0, -0.0, np.inf, -np.inf]]).astype(np.float32)  # two blocks of 64
     keys = np.asarray(_key(jnp.asarray(values)))
     keys = np.where(rng.random(keys.size) < 0.3, INT_MIN, keys).astype(np.int32)
     members = np.sort(keys[keys > INT_MIN])[::-1]
