@@ -4,21 +4,25 @@ pallas_kernels/balancing_solve.py) at its defaults and at other token chunks and
 inputs, one process; per step = 16 microbatches x 8 layers. Medians of 7 repeats of 50 calls. --baseline FILE (may
 repeat) times other versions of the kernel module in the same run (`git show REV:pallas_kernels/balancing_solve.py`).
 Then equal shares (ops/equal_shares.py) on the scores plus the solve's correction, as the train step runs it: the
-XLA ops against the Pallas kernels (pallas_kernels/equal_shares.py), interleaved, the same assignment checked
-(--equal-shares-only: that alone). The bf16 GEMM ceiling is printed first (the machine's state in this run).
+XLA ops against the Pallas kernels (pallas_kernels/equal_shares.py), interleaved, the same assignment checked,
+with each one's kernel time from a profiler trace (--equal-shares-only: that alone). The bf16 GEMM ceiling is printed first (the machine's state in this run).
 
 python -m benchmarks.bench_routing_solve [--out FILE.json] [--baseline FILE ...] [--equal-shares-only]"""
 
+import collections
 import contextlib
 import importlib.util
 import json
+import shutil
 import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.kernels.bench import gemm_ceiling_tflops
+from benchmarks.systems import profile_trace
 from benchmarks.systems.timing import seconds_per_call
 from pallas_kernels import balancing_solve as kernel
 from zaya_jax.model import routing_stats as rs
@@ -78,23 +82,29 @@ def time_equal_shares():
                          ms_per_step=round(us * CALLS_PER_STEP / 1e3, 2), moved_tokens=int(outs[impl][1].sum()),
                          same_assignment_as_xla=same))
     rows[-1]["xla_over_this"] = round(rows[0]["us_per_call"] / rows[-1]["us_per_call"], 2)
-    rows[-1]["us_per_launch"] = time_equal_shares_launches(scores, index, valid)
+    for row, f in zip(rows, fns.values()):
+        row["device"] = device_time(f, scores, index)
     return rows
 
 
-def time_equal_shares_launches(scores, index, valid):
-    """Each Pallas launch of equal shares alone, on the inputs the train step gives it (the bid round after the
-    hand-on, the fill after both rounds)."""
-    from pallas_kernels import equal_shares as kernels
-    padded = kernels.padded_inputs(scores, index, valid)
-    keep, bid, fill = (jax.jit(f) for f in kernels.launches(E, padded[0]))
-    state = keep(*padded, padded[2])
-    after_one = bid(*padded, state, state)
-    after_bids = bid(*padded, after_one, after_one)
-    timed = {"pad": (jax.jit(kernels.padded_inputs), (scores, index, valid)), "keep": (keep, (*padded, padded[2])),
-             "bid": (bid, (*padded, state, state)), "fill": (fill, (padded[2], after_bids))}
-    return {name: round(seconds_per_call(f, *args, reps=7, calls=50, warmup=0) * 1e6, 1)
-            for name, (f, args) in timed.items()}
+def device_time(f, *args, calls: int = 5) -> dict:
+    """From a profiler trace of `calls` back-to-back calls (device clocks: the host's dispatch, which can bound a
+    wall time of such small work, is not in it): kernels and kernel time per call, the span from the first kernel's
+    start to the last one's end per call, and the time per HLO op."""
+    jax.block_until_ready(f(*args))
+    logdir = tempfile.mkdtemp(prefix="bench_routing_solve_")
+    with jax.profiler.trace(logdir):
+        for _ in range(calls):
+            out = f(*args)
+        jax.block_until_ready(out)
+    ops = [e for e in profile_trace.load(logdir)[0] if e.plane.startswith("/device")]
+    shutil.rmtree(logdir, ignore_errors=True)
+    per_op = collections.Counter()
+    for e in ops:
+        per_op[e.hlo_op or e.name] += e.duration_ns / calls / 1e3
+    span = (max(e.start_ns + e.duration_ns for e in ops) - min(e.start_ns for e in ops)) / calls / 1e3 if ops else 0
+    return dict(kernels_per_call=len(ops) / calls, kernel_us_per_call=round(sum(per_op.values()), 1),
+                span_us_per_call=round(span, 1), us_per_op={k: round(v, 1) for k, v in per_op.most_common()})
 
 
 default_chunk = kernel.CHUNK

@@ -30,7 +30,7 @@ from pallas_kernels.balancing_solve import INT_MIN, NEG_INF_KEY, _key, _pick
 
 I32 = jnp.int32
 MOVING = -1
-CHUNK = 1024  # tokens per block in registers: [16 candidates or experts, CHUNK] at a time
+CHUNK = 1024  # tokens per block in registers: [CHUNK, 16 candidates or experts] at a time
 DIGIT_BITS = 4
 
 
@@ -48,18 +48,18 @@ def _count(blocks) -> jax.Array:
     return jnp.sum(_total(blocks))
 
 
-def _counts(ref, rows):
-    """[E'] tokens of ref [N'] int32 at each value of rows."""
-    return jnp.sum(_total([ref[part][None, :] == rows[:, None] for part in _parts(ref.shape[0])]), axis=1)
+def _counts(ref, experts):
+    """[E'] tokens of ref [N'] int32 at each value of experts."""
+    return jnp.sum(_total([ref[part][:, None] == experts[None, :] for part in _parts(ref.shape[0])]), axis=0)
 
 
-def _shares(counts, rows, num_experts: int):
+def _shares(counts, experts, num_experts: int):
     """The reference's shares: floor(M / E), one more for the M mod E experts holding the most (ties by id)."""
-    real = rows < num_experts
+    real = experts < num_experts
     counts = jnp.where(real, counts, 0)
     total = jnp.sum(counts)
     other, me = counts[None, :], counts[:, None]
-    ahead = ((other > me) | ((other == me) & (rows[None, :] < rows[:, None]))) & real[None, :]
+    ahead = ((other > me) | ((other == me) & (experts[None, :] < experts[:, None]))) & real[None, :]
     extra = (jnp.sum(ahead.astype(I32), axis=1) < jax.lax.rem(total, num_experts)).astype(I32)
     return jnp.where(real, jax.lax.div(total, num_experts) + extra, 0)
 
@@ -72,7 +72,7 @@ def _largest(keys, rank):
     digits = jnp.arange(1 << DIGIT_BITS, dtype=I32)
     for shift in range(32 - DIGIT_BITS, -1, -DIGIT_BITS):
         candidates = prefix + jax.lax.shift_left(digits, jnp.full(digits.shape, shift, I32))
-        at_or_above = jnp.sum(_total([block[None, :] >= candidates[:, None] for block in keys]), axis=1)
+        at_or_above = jnp.sum(_total([block[:, None] >= candidates[None, :] for block in keys]), axis=0)
         # candidate 0 always holds `rank` keys (the invariant), so the digit is the number of others that do
         digit = jnp.sum((at_or_above >= rank).astype(I32)) - 1
         prefix = prefix + jax.lax.shift_left(digit, jnp.full((), shift, I32))
@@ -113,17 +113,18 @@ def _write_first(ref, keys, quota, value, *, chosen: bool):
 def _keep_kernel(scores_ref, valid_ref, index_ref, aliased_ref, state_ref, *, num_experts):
     """Program e: expert e over its share marks its tokens beyond the share's largest margins MOVING."""
     e = pl.program_id(0)
-    rows = jnp.arange(scores_ref.shape[0], dtype=I32)
-    counts = _counts(index_ref, rows)
-    share = _pick(_shares(counts, rows, num_experts), e)
+    experts = jnp.arange(scores_ref.shape[1], dtype=I32)
+    counts = _counts(index_ref, experts)
+    share = _pick(_shares(counts, experts, num_experts), e)
 
     @pl.when(_pick(counts, e) > share)
     def _():
         keys = []
         for part in _parts(index_ref.shape[0]):
-            s = scores_ref[:, part]
-            other = jnp.max(jnp.where(rows[:, None] == e, -jnp.inf, s), axis=0)
-            margin = jnp.where(valid_ref[part] != 0, _key(scores_ref[pl.ds(e, 1), part][0] - other), NEG_INF_KEY)
+            s, mine = scores_ref[part, :], experts[None, :] == e
+            own = jnp.max(jnp.where(mine, s, -jnp.inf), axis=1)  # exactly s[:, e]
+            margin = jnp.where(valid_ref[part] != 0, _key(own - jnp.max(jnp.where(mine, -jnp.inf, s), axis=1)),
+                               NEG_INF_KEY)
             keys.append(jnp.where(index_ref[part] == e, margin, INT_MIN))
         _write_first(state_ref, keys, share, MOVING, chosen=False)
 
@@ -132,16 +133,16 @@ def _bid_kernel(scores_ref, valid_ref, index_ref, state_ref, aliased_ref, new_st
     """Program t: every MOVING token bids for its best expert with room; expert t takes its `room` bidders of the
     highest score."""
     t = pl.program_id(0)
-    rows = jnp.arange(scores_ref.shape[0], dtype=I32)
-    share = _shares(_counts(index_ref, rows), rows, num_experts)
-    room = jnp.where(rows < num_experts, share - _counts(state_ref, rows), 0)
+    experts = jnp.arange(scores_ref.shape[1], dtype=I32)
+    share = _shares(_counts(index_ref, experts), experts, num_experts)
+    room = jnp.where(experts < num_experts, share - _counts(state_ref, experts), 0)
     keys = []
     for part in _parts(index_ref.shape[0]):
-        s = scores_ref[:, part]
-        open_ = jnp.where(room[:, None] > 0, s, -jnp.inf)
-        best = jnp.max(open_, axis=0)
-        target = jnp.min(jnp.where(open_ == best[None, :], rows[:, None], rows.shape[0]), axis=0)
-        score = jnp.max(jnp.where(rows[:, None] == target[None, :], s, -jnp.inf), axis=0)  # exactly s[target]
+        s = scores_ref[part, :]
+        open_ = jnp.where(room[None, :] > 0, s, -jnp.inf)
+        best = jnp.max(open_, axis=1)
+        target = jnp.min(jnp.where(open_ == best[:, None], experts[None, :], experts.shape[0]), axis=1)
+        score = jnp.max(jnp.where(experts[None, :] == target[:, None], s, -jnp.inf), axis=1)  # exactly s[target]
         priority = jnp.where(valid_ref[part] != 0, _key(score), NEG_INF_KEY)
         keys.append(jnp.where((state_ref[part] == MOVING) & (target == t), priority, INT_MIN))
 
@@ -154,8 +155,8 @@ def _fill_kernel(index_ref, state_ref, index_out, moved_out, *, num_experts, pad
     """One program: the k-th token still MOVING, in token order, goes to the expert whose room (counted from expert
     0) holds slot k."""
     parts = _parts(index_ref.shape[0])
-    rows = jnp.arange(padded_experts, dtype=I32)
-    real = rows < num_experts
+    experts = jnp.arange(padded_experts, dtype=I32)
+    real = experts < num_experts
 
     def write(filled):
         for part, new in zip(parts, filled):
@@ -172,15 +173,16 @@ def _fill_kernel(index_ref, state_ref, index_out, moved_out, *, num_experts, pad
 
     @pl.when(left > 0)
     def _():
-        room = jnp.where(real, _shares(_counts(index_ref, rows), rows, num_experts) - _counts(state_ref, rows), 0)
-        room_through = jnp.sum(jnp.where(rows[None, :] <= rows[:, None], room[None, :], 0), axis=1)
+        room = jnp.where(real, _shares(_counts(index_ref, experts), experts, num_experts)
+                         - _counts(state_ref, experts), 0)
+        room_through = jnp.sum(jnp.where(experts[None, :] <= experts[:, None], room[None, :], 0), axis=1)
         filled, before = [], jnp.zeros((), I32)
         for part in parts:
             state = state_ref[part]
             moving = (state == MOVING).astype(I32)
             slot = before + jnp.cumsum(moving) - 1
             before = before + jnp.sum(moving)
-            fill = jnp.sum(((room_through[:, None] <= slot[None, :]) & real[:, None]).astype(I32), axis=0)
+            fill = jnp.sum(((room_through[None, :] <= slot[:, None]) & real[None, :]).astype(I32), axis=1)
             filled.append(jnp.where(moving != 0, fill, state))
         write(filled)
 
@@ -190,23 +192,23 @@ def _warps() -> int:
 
 
 def padded_inputs(scores, index, valid):
-    """The kernels' operands: scores [E', N'] fp32 (experts padded with -inf), valid [N'] int32, index [N'] int32
+    """The kernels' operands: scores [N', E'] fp32 (experts padded with -inf), valid [N'] int32, index [N'] int32
     (padded tokens in the skip class E)."""
     num_tokens, num_experts = scores.shape
     pe, pn = pl.next_power_of_2(num_experts), pl.next_power_of_2(num_tokens)
-    scores = jnp.pad(jax.lax.stop_gradient(scores).astype(jnp.float32).T, ((0, 0), (0, pn - num_tokens)))
-    scores = jnp.pad(scores, ((0, pe - num_experts), (0, 0)), constant_values=-jnp.inf)
+    scores = jnp.pad(jax.lax.stop_gradient(scores).astype(jnp.float32), ((0, pn - num_tokens), (0, 0)))
+    scores = jnp.pad(scores, ((0, 0), (0, pe - num_experts)), constant_values=-jnp.inf)
     index = jnp.pad(index.astype(I32), (0, pn - num_tokens), constant_values=num_experts)
     valid = jnp.pad(valid.astype(I32), (0, pn - num_tokens))
     return vma.vary_to_union(scores, valid, index)
 
 
 def launches(num_experts: int, scores):
-    """(keep, bid, fill) for padded scores [E', N']: keep(scores, valid, index, index) -> state;
+    """(keep, bid, fill) for padded scores [N', E']: keep(scores, valid, index, index) -> state;
     bid(scores, valid, index, state, state) -> state; fill(index, state) -> (index, moved as int32). The last
     operand of keep and bid is written in place (aliased); the programs read the one before it, which stays as it
     was."""
-    pe, pn = scores.shape
+    pn, pe = scores.shape
     state = vma.out_struct((pn,), I32, scores)
     params = platform.compiler_params(_warps(), 1)
     call = functools.partial(pl.pallas_call, grid=(num_experts,), out_shape=state, interpret=platform.interpret(),
