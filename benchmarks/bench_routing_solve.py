@@ -3,9 +3,10 @@ microbatch, at the library's constants: the XLA rounds (a sort each) against the
 pallas_kernels/balancing_solve.py) at its defaults and at other token chunks and warp counts; same
 inputs, one process; per step = 16 microbatches x 8 layers. Medians of 7 repeats of 50 calls. --baseline FILE (may
 repeat) times other versions of the kernel module in the same run (`git show REV:pallas_kernels/balancing_solve.py`).
-Then equal shares (ops/equal_shares.py) on the scores plus the solve's correction, as the train step runs it: the
-XLA ops against the Pallas kernels (pallas_kernels/equal_shares.py), interleaved, the same assignment checked,
-with each one's kernel time from a profiler trace (--equal-shares-only: that alone). The bf16 GEMM ceiling is printed first (the machine's state in this run).
+Then equal shares (model/equal_shares.py) on the scores plus the solve's correction, as the train step runs it,
+with its kernel time from a profiler trace (--equal-shares-only: that alone; XLA_FLAGS=
+--xla_gpu_enable_command_buffer= shows each kernel instead of the command buffer that replays them). The bf16 GEMM
+ceiling is printed first (the machine's state in this run).
 
 python -m benchmarks.bench_routing_solve [--out FILE.json] [--baseline FILE ...] [--equal-shares-only]"""
 
@@ -26,7 +27,7 @@ from benchmarks.systems import profile_trace
 from benchmarks.systems.timing import seconds_per_call
 from pallas_kernels import balancing_solve as kernel
 from zaya_jax.model import routing_stats as rs
-from zaya_jax.ops.equal_shares import equal_shares
+from zaya_jax.model.equal_shares import equal_shares
 
 N, E, CALLS_PER_STEP = 8192, 16, 16 * 8
 
@@ -62,29 +63,16 @@ def time_solve(impl, chunk=None, warps=None, module=None):
 
 
 def time_equal_shares():
-    """After the solve: equal shares on the scores plus its correction (the selection's own imbalance), each
-    implementation timed three times, interleaved; medians."""
+    """After the solve: equal shares on the scores plus its correction (the selection's own imbalance)."""
     x = jax.random.uniform(jax.random.key(0), (N, E)) * 1e-3
     valid = jnp.ones(N, bool)
     scores = x + rs.balancing_correction(x, valid, "xla")
     index = jnp.argmax(scores, -1).astype(jnp.int32)
-    fns = {impl: jax.jit(lambda s, i, impl=impl: equal_shares(s, i, valid, impl)) for impl in ("xla", "pallas")}
-    outs = {impl: [np.asarray(a) for a in f(scores, index)] for impl, f in fns.items()}
-    same = all(np.array_equal(a, b) for a, b in zip(outs["xla"], outs["pallas"]))
-    times = {impl: [] for impl in fns}
-    for _ in range(3):
-        for impl, f in fns.items():
-            times[impl].append(seconds_per_call(f, scores, index, reps=7, calls=50, warmup=0) * 1e6)
-    rows = []
-    for impl, ts in times.items():
-        us = float(np.median(ts))
-        rows.append(dict(impl=f"equal_shares_{impl}", us_per_call=round(us, 1), us_repeats=[round(t, 1) for t in ts],
-                         ms_per_step=round(us * CALLS_PER_STEP / 1e3, 2), moved_tokens=int(outs[impl][1].sum()),
-                         same_assignment_as_xla=same))
-    rows[-1]["xla_over_this"] = round(rows[0]["us_per_call"] / rows[-1]["us_per_call"], 2)
-    for row, f in zip(rows, fns.values()):
-        row["device"] = device_time(f, scores, index)
-    return rows
+    f = jax.jit(lambda s, i: equal_shares(s, i, valid))
+    moved = int(f(scores, index)[1].sum())
+    us = seconds_per_call(f, scores, index, reps=7, calls=50, warmup=0) * 1e6
+    return dict(impl="equal_shares", us_per_call=round(us, 1), ms_per_step=round(us * CALLS_PER_STEP / 1e3, 2),
+                moved_tokens=moved, device=device_time(f, scores, index))
 
 
 def device_time(f, *args, calls: int = 5) -> dict:
@@ -133,9 +121,8 @@ xla = [r["us_per_solve"] for r in rows if r["impl"] == "xla"]
 for r in rows:
     if "us_per_solve" in r:
         r["xla_over_this"] = round(np.median(xla) / r["us_per_solve"], 3)
-for row in time_equal_shares():
-    rows.append(row)
-    print(row, flush=True)
+rows.append(time_equal_shares())
+print(rows[-1], flush=True)
 if "--out" in sys.argv:
     json.dump(dict(device=jax.devices()[0].device_kind, shape=[N, E], gemm_ceiling_tflops=round(ceiling), rows=rows),
               open(sys.argv[sys.argv.index("--out") + 1], "w"), indent=1)

@@ -20,7 +20,7 @@ to whole tiles costs; round_robin against collapsed what the rest of routing to 
 and one weight read per expert instead of one). benchmarks/train_solve_variant.py replaces the routing.
 
 Per run: tokens/s as the median over steps 3 on (compilation and warm-up before), every step's worst-layer max and min
-load and share of tokens moved by equal shares (ops/equal_shares.py), the last loss. Each run's workdir is removed
+load and share of tokens moved by equal shares (model/equal_shares.py), the last loss. Each run's workdir is removed
 after it (a bench checkpoint is gigabytes). With --repeats N the list runs N times interleaved (A, B, A, B, ...; repeat r of run A is recorded as "A#r"), and `spread` gives each run's
 tokens/s over its repeats: the same-call noise that a difference between runs has to exceed."""
 

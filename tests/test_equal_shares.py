@@ -1,16 +1,12 @@
-"""Equal expert shares (ops/equal_shares.py, and its Pallas kernels in pallas_kernels/equal_shares.py) against a
-plain-loop replay of the same greedy assignment, on fresh random scores with padding tokens and tokens routed to the
-skip class; the kernels against the reference on hard cases; the invariants."""
+"""Equal expert shares (model/equal_shares.py) against a plain-loop replay of the same greedy assignment, on fresh
+random scores with padding tokens and tokens routed to the skip class, and its invariants."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax.sharding import PartitionSpec as P
-
-from pallas_kernels import platform, vma
-from zaya_jax.ops.equal_shares import REFILL_ROUNDS, equal_shares
+from zaya_jax.model.equal_shares import REFILL_ROUNDS, equal_shares
 
 
 def fresh_rng():
@@ -54,16 +50,14 @@ def replay(scores, index, valid):
     return new
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
 @pytest.mark.parametrize("n, experts", [(96, 4), (250, 8)])
-def test_shares_are_equal_and_match_the_replay(n, experts, impl):
+def test_shares_are_equal_and_match_the_replay(n, experts):
     rng, seed = fresh_rng()
     scores = (rng.normal(size=(n, experts)) * 1e-3 + rng.normal(size=experts) * 2e-3).astype(np.float32)
     index = scores.argmax(-1)
     index[rng.random(n) < 0.05] = experts  # the skip class
     valid = rng.random(n) < 0.9
-    new, moved = jax.jit(lambda s, i, v: equal_shares(s, i, v, impl))(
-        jnp.asarray(scores), jnp.asarray(index, jnp.int32), jnp.asarray(valid))
+    new, moved = jax.jit(equal_shares)(jnp.asarray(scores), jnp.asarray(index, jnp.int32), jnp.asarray(valid))
     new, moved = np.asarray(new), np.asarray(moved)
     np.testing.assert_array_equal(new, replay(scores, index, valid), err_msg=f"seed {seed}")
     routed = index < experts
@@ -122,75 +116,3 @@ def test_the_backward_reuses_the_forward_routing(remat):
     forward = sorts_in(jax.make_jaxpr(loss)(params, model_state, batch).jaxpr)
     both = sorts_in(jax.make_jaxpr(jax.grad(lambda p: loss(p, model_state, batch)[0]))(params).jaxpr)
     assert forward > 0 and both == forward, (forward, both)
-
-
-def hard_case(name, rng, n=512, experts=8):
-    """(scores, index, valid) that reach every branch of the kernels: nothing moves, everything moves, ties at every
-    threshold, fewer routed tokens than experts, no valid token, scores of both signs."""
-    scores = rng.normal(size=(n, experts)).astype(np.float32) * 1e-3
-    index, valid = scores.argmax(-1), rng.random(n) < 0.8
-    if name == "collapsed":  # one expert holds every token: 7/8 of them move, most in the refill rounds
-        index = np.zeros(n, int)
-    if name == "ties":  # scores on a coarse grid: equal margins and bids at the thresholds
-        scores = np.round(scores * 2e3) / 2e3
-        index = scores.argmax(-1)
-    if name == "equal_scores":  # every margin and bid tied: token order decides everything
-        scores, index = np.zeros_like(scores), rng.integers(0, experts + 1, n)
-    if name == "few_routed":  # 5 routed tokens for 8 experts: shares of 0 and 1
-        index = np.where(np.arange(n) < 5, index, experts)
-    if name == "no_valid":
-        valid = np.zeros(n, bool)
-    if name == "signed":
-        scores = scores * 1e3 - 5.0
-        index = scores.argmax(-1)
-    return jnp.asarray(scores), jnp.asarray(index, jnp.int32), jnp.asarray(valid)
-
-
-HARD_CASES = ["collapsed", "ties", "equal_scores", "few_routed", "no_valid", "signed"]
-
-
-def check_kernels_match_the_reference(rng, seed):
-    reference = jax.jit(lambda s, i, v: equal_shares(s, i, v, "xla"))
-    kernels = jax.jit(lambda s, i, v: equal_shares(s, i, v, "pallas"))
-    for name in HARD_CASES:
-        args = hard_case(name, rng)
-        for want, got in zip(reference(*args), kernels(*args)):
-            np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"{name}, seed {seed}")
-
-
-def test_kernels_match_the_reference_on_hard_cases():
-    check_kernels_match_the_reference(*fresh_rng())
-
-
-@pytest.mark.gpu
-def test_gpu_kernels_match_the_reference_on_hard_cases():
-    check_kernels_match_the_reference(*fresh_rng())
-
-
-def test_radix_search_finds_the_sorted_key():
-    """The kernels' order statistic (plain jnp, as it runs inside a program) against a sort: keys of every sign and
-    magnitude, repeated keys, the INT_MIN of tokens outside the group; every rank, and rank 0 (nothing kept)."""
-    from pallas_kernels.balancing_solve import INT_MIN, _key
-    from pallas_kernels.equal_shares import _largest
-    rng, seed = fresh_rng()
-    values = np.concatenate([rng.choice([-1, 1], 100) * 10.0 ** rng.uniform(-38, 38, 100), np.full(24, 0.25),
-                             [0.0, -0.0, np.inf, -np.inf]]).astype(np.float32)  # two blocks of 64
-    keys = np.asarray(_key(jnp.asarray(values)))
-    keys = np.where(rng.random(keys.size) < 0.3, INT_MIN, keys).astype(np.int32)
-    members = np.sort(keys[keys > INT_MIN])[::-1]
-    search = jax.jit(lambda k, r: _largest([k[:64], k[64:]], r))
-    for rank in range(1, members.size + 1):
-        assert int(search(jnp.asarray(keys), jnp.int32(rank))) == members[rank - 1], (rank, f"seed {seed}")
-    assert int(search(jnp.asarray(keys), jnp.int32(0))) == 2 ** 31 - 1
-
-
-def test_kernels_lower_for_cuda_inside_shard_map(monkeypatch):
-    monkeypatch.setattr(platform, "interpret", lambda: False)
-
-    def per_rank(scores, index, valid):
-        new, moved = equal_shares(scores[0], index[0], valid[0], "pallas")
-        return new[None], moved[None]
-
-    args = (jnp.zeros((8, 8192, 16)), jnp.zeros((8, 8192), jnp.int32), jnp.ones((8, 8192), bool))
-    text = vma.lower_in_shard_map_for_cuda(per_rank, args, in_specs=(P("data"),) * 3, out_specs=(P("data"),) * 2)
-    assert text.count("__gpu$xla.gpu.triton") == 2 + REFILL_ROUNDS  # hand on, each refill round, fill

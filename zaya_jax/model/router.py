@@ -14,7 +14,7 @@ from flax import nnx
 from zaya_jax.config import ModelConfig
 from zaya_jax.model import routing_stats
 from zaya_jax.model.base import BalancingBias, Linear, RMSNormWeight, activation
-from zaya_jax.ops.equal_shares import equal_shares
+from zaya_jax.model.equal_shares import equal_shares
 from zaya_jax.ops.rmsnorm import rms_norm_reference
 
 
@@ -45,7 +45,7 @@ class Router(nnx.Module):
         [B,T,E+1] fp32, the balancing correction [E] of these tokens, moved [B,T] bool). With balance_tokens the
         selection adds the correction of routing_stats.balancing_correction to the biases, which brings every expert
         near an equal share of this forward's tokens (the controller folds it into the biases, optim/balancing.py),
-        and ops/equal_shares.py then makes the shares equal, moving the tokens it marks in `moved`; without
+        and model/equal_shares.py then makes the shares equal, moving the tokens it marks in `moved`; without
         balance_tokens or solve_balance the correction is zero and no token moves."""
         cfg = self.cfg
         f32 = jnp.float32
@@ -69,7 +69,7 @@ class Router(nnx.Module):
         moved = jnp.zeros(index.shape, bool)
         if self.balance_tokens:
             index, moved = equal_shares(score[..., :-1].reshape(-1, cfg.num_experts), index.reshape(-1),
-                                        valid.reshape(-1), cfg.solve_impl)
+                                        valid.reshape(-1))
             index = checkpoint_name(index.reshape(valid.shape), routing_stats.SELECTION_NAME)
             moved = moved.reshape(valid.shape)
         weight = jnp.take_along_axis(probs, index[..., None], axis=-1)[..., 0]

@@ -6,7 +6,7 @@ data-parallel ranks with one psum (sums over the counted tokens, padding exclude
     prob_sq_sum  [E+1]  sum of its square (with prob_sum: the token-to-token spread of the probabilities)
     top1_sum     []     sum of the largest probability (how confident the router is)
     entropy_sum  []     sum of the softmax entropy in nats (log(E+1) = uniform)
-    moved_sum    []     tokens that ops/equal_shares.py gave another expert than their balanced selection's
+    moved_sum    []     tokens that model/equal_shares.py gave another expert than their balanced selection's
     correction   [E]    the zero-mean change of the E expert biases that would have given every expert the same
                         number of this forward's tokens (balancing_correction), summed over the ranks
     ranks        []     1 per forward (the psum makes it the number of ranks the correction was summed over)

@@ -42,7 +42,7 @@ jax.tree_util.register_dataclass(ForwardAux, data_fields=["router_stats"], meta_
 
 # Every policy keeps the routers' balancing corrections ([E] per layer) and the train step's final experts ([N] per
 # layer): the backward's recomputation reuses them instead of solving and sharing out again (model/routing_stats.py,
-# ops/equal_shares.py).
+# model/equal_shares.py).
 _KEEP_CORRECTION = jax.checkpoint_policies.save_only_these_names(routing_stats.CORRECTION_NAME,
                                                                  routing_stats.SELECTION_NAME)
 _REMAT = {name: jax.checkpoint_policies.save_from_both_policies(policy, _KEEP_CORRECTION) for name, policy in {

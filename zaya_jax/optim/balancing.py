@@ -4,7 +4,7 @@ enforces balance across a microbatch"; Zyphra's exact rule is not public, this o
 In training every router solves, on its own microbatch, the zero-mean change delta [E] of its E expert biases after
 which each expert gets the same share of the microbatch's tokens (model/routing_stats.py: balancing_correction),
 selects with biases + delta (model/router.py, balance_tokens) and then makes the shares exactly equal
-(ops/equal_shares.py): balance is enforced within the microbatch whatever the router's probabilities look like.
+(model/equal_shares.py): balance is enforced within the microbatch whatever the router's probabilities look like.
 After each microbatch, per layer l:
 
     delta  = mean over data-parallel ranks of their corrections (the routing statistics' psum)

@@ -46,16 +46,10 @@ def _score_of(scores, expert):
     return jnp.take_along_axis(scores, jnp.minimum(expert, scores.shape[1] - 1)[:, None], axis=1)[:, 0]
 
 
-def equal_shares(scores, index, valid, impl: str = "xla"):
+def equal_shares(scores, index, valid):
     """scores [N, E] fp32: the expert scores the selection took its argmax of (probabilities + biases +
     correction); index [N] int32 in [0, E] (E: the skip class); valid [N] bool -> (index [N] with every expert at
-    floor or ceil of M / E of the M routed tokens, moved [N] bool: the tokens given another expert).
-    impl: 'xla' (below) or 'pallas' (pallas_kernels/equal_shares.py: four launches, the same assignment)."""
-    if impl == "pallas":
-        from pallas_kernels.equal_shares import equal_shares as kernel
-        return kernel(scores, index, valid, refill_rounds=REFILL_ROUNDS)
-    if impl != "xla":
-        raise ValueError(f"equal shares: unknown impl {impl!r} (use 'xla' or 'pallas')")
+    floor or ceil of M / E of the M routed tokens, moved [N] bool: the tokens given another expert)."""
     n, E = scores.shape
     routed = index < E
     expert = jnp.where(routed, index, E).astype(jnp.int32)
