@@ -11,6 +11,8 @@ Runs:
   controller_units128  the controller with each expert's rows padded to whole 128-row tiles of the grouped GEMM
                (by default to 64-row units, the last tile of an expert running 64 rows)
   rounds12     the controller with 12 solve rounds instead of 24 (equal shares moving more tokens)
+  no_equal_shares  the controller selecting with the solve's correction alone (groups within some 15-20% of equal,
+               padded to row tiles): against controller, what equal shares cost a step net of the tiles they fill
   random       each token to a random expert and nothing solving: groups as uneven as sampling makes them, each
                padded to the grouped GEMM's row tiles, as the controller's are
   round_robin  token i to expert i mod E and nothing solving: equal groups of whole row tiles (no padding)
@@ -41,6 +43,7 @@ RUNS = {
     "xla_solve": (["--config.model.overrides.solve_impl=xla"], {}),
     "controller_units128": ([], {"BLOCK_ROWS": "128"}),
     "rounds12": ([], {"SOLVE_ROUNDS": "12"}),
+    "no_equal_shares": ([], {"EQUAL_SHARES": "off"}),
     "round_robin": (["--config.balancing.learning_rate=0.0"], {"ROUTING": "round_robin"}),
     "random": (["--config.balancing.learning_rate=0.0"], {"ROUTING": "random"}),
     "collapsed": (["--config.balancing.learning_rate=0.0"], {}),

@@ -12,6 +12,9 @@ every expert costs (benchmarks/routing_ab.py):
   random       each token to an expert drawn from the low bits of its router probabilities (new draws in every
                forward and layer): groups that differ by sampling noise, padded to row tiles as the controller's are
 
+EQUAL_SHARES=off leaves the train step's selection at the argmax with the solve's correction (model/equal_shares.py
+not applied): what equal shares cost a step, measured inside it.
+
 BLOCK_ROWS sets the grouped GEMM's row unit (each expert's token group is padded to a multiple of it) for the run.
 """
 
@@ -51,6 +54,11 @@ if routing is not None:
 
     router.Router.__call__ = replaced
     print(f"routing: {routing} (the router's choice replaced)", flush=True)
+if os.environ.get("EQUAL_SHARES", "on") not in ("on", "off"):
+    sys.exit(f"train_solve_variant: EQUAL_SHARES={os.environ['EQUAL_SHARES']!r} unknown; use on or off")
+if os.environ.get("EQUAL_SHARES") == "off":
+    router.equal_shares = lambda scores, index, valid: (index, jnp.zeros(index.shape, bool))
+    print("equal shares: off (selection by the argmax with the solve's correction)", flush=True)
 sys.argv[0] = "launch.train"
 with contextlib.ExitStack() as stack:
     if "BLOCK_ROWS" in os.environ:
