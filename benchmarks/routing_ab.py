@@ -23,8 +23,9 @@ and one weight read per expert instead of one). benchmarks/train_solve_variant.p
 
 Per run: tokens/s as the median over steps 3 on (compilation and warm-up before), every step's worst-layer max and min
 load and share of tokens moved by equal shares (model/equal_shares.py), the last loss. Each run's workdir is removed
-after it (a bench checkpoint is gigabytes). With --repeats N the list runs N times interleaved (A, B, A, B, ...; repeat r of run A is recorded as "A#r"), and `spread` gives each run's
-tokens/s over its repeats: the same-call noise that a difference between runs has to exceed."""
+after it (a bench checkpoint is gigabytes). With --repeats N the list runs N times interleaved (A, B, A, B, ...;
+repeat r of run A is recorded as "A#r"), and `spread` gives each run's tokens/s over its repeats: the same-call noise
+that a difference between runs has to exceed."""
 
 from __future__ import annotations
 
