@@ -4,9 +4,8 @@ pallas_kernels/balancing_solve.py) at its defaults and at other token chunks and
 inputs, one process; per step = 16 microbatches x 8 layers. Medians of 7 repeats of 50 calls. --baseline FILE (may
 repeat) times other versions of the kernel module in the same run (`git show REV:pallas_kernels/balancing_solve.py`).
 Then equal shares (model/equal_shares.py) on the scores plus the solve's correction, as the train step runs it,
-with its kernel time from a profiler trace (--equal-shares-only: that alone; XLA_FLAGS=
---xla_gpu_enable_command_buffer= shows each kernel instead of the command buffer that replays them). The bf16 GEMM
-ceiling is printed first (the machine's state in this run).
+with its kernel time from a profiler trace, per kernel (--equal-shares-only: that alone). The bf16 GEMM ceiling is
+printed first (the machine's state in this run).
 
 python -m benchmarks.bench_routing_solve [--out FILE.json] [--baseline FILE ...] [--equal-shares-only]"""
 
@@ -14,9 +13,7 @@ import collections
 import contextlib
 import importlib.util
 import json
-import shutil
 import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -78,19 +75,12 @@ def time_equal_shares():
 def device_time(f, *args, calls: int = 5) -> dict:
     """From a profiler trace of `calls` back-to-back calls (device clocks: the host's dispatch, which can bound a
     wall time of such small work, is not in it): kernels and kernel time per call, the span from the first kernel's
-    start to the last one's end per call, and the time per HLO op."""
-    jax.block_until_ready(f(*args))
-    logdir = tempfile.mkdtemp(prefix="bench_routing_solve_")
-    with jax.profiler.trace(logdir):
-        for _ in range(calls):
-            out = f(*args)
-        jax.block_until_ready(out)
-    ops = [e for e in profile_trace.load(logdir)[0] if e.plane.startswith("/device")]
-    shutil.rmtree(logdir, ignore_errors=True)
+    start to the last one's end per call, and the time per kernel."""
+    ops = profile_trace.device_ops_of_calls(f, *args, calls=calls)
     per_op = collections.Counter()
     for e in ops:
-        per_op[e.hlo_op or e.name] += e.duration_ns / calls / 1e3
-    span = (max(e.start_ns + e.duration_ns for e in ops) - min(e.start_ns for e in ops)) / calls / 1e3 if ops else 0
+        per_op[profile_trace.kernel_key(e)] += e.duration_ns / calls / 1e3
+    span = (max(e.start_ns + e.duration_ns for e in ops) - ops[0].start_ns) / calls / 1e3 if ops else 0
     return dict(kernels_per_call=len(ops) / calls, kernel_us_per_call=round(sum(per_op.values()), 1),
                 span_us_per_call=round(span, 1), us_per_op={k: round(v, 1) for k, v in per_op.most_common()})
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import json
 import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -55,13 +54,7 @@ def timed(rounds=rs.SOLVE_ROUNDS, **patch):
 
 
 def trace(f, scores):
-    logdir = tempfile.mkdtemp(prefix="probe_solve_")
-    with jax.profiler.trace(logdir):
-        for _ in range(5):
-            out = f(scores)
-        out.block_until_ready()
-    ops, _, _ = profile_trace.load(logdir)
-    ops = sorted((e for e in ops if e.plane.startswith("/device")), key=lambda e: e.start_ns)
+    ops = profile_trace.device_ops_of_calls(f, scores, calls=5)
     return dict(kernels_per_solve=len(ops) / 5, kernel_us_per_solve=sum(e.duration_ns for e in ops) / 5e3,
                 kernel_us_median=float(np.median([e.duration_ns for e in ops]) / 1e3),
                 gap_us_median=float(np.median([b.start_ns - a.start_ns - a.duration_ns for a, b in zip(ops, ops[1:])])

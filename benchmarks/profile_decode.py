@@ -95,9 +95,7 @@ def kernel_tables(run, dump: str, units: int, unit: str, top: int) -> dict:
     per_op, per_source = collections.defaultdict(lambda: [0.0, 0]), collections.defaultdict(lambda: [0.0, 0])
     unmatched = collections.Counter()
     for e in ops:
-        # kernels replayed from a command buffer (CUDA graph) carry the buffer's op name: name them by kernel, which
-        # for XLA's fusions is their instruction's name with '.' and '-' made '_'
-        key = e.name if not e.hlo_op or e.hlo_op.startswith("command_buffer") else e.hlo_op
+        key = profile_trace.kernel_key(e)
         name = kernel_name(key)
         own = sources.get(e.program_id, {}).get(name)
         source = own if own not in (None, NO_FRAME) else anywhere.get(name)

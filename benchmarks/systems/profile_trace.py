@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
+import shutil
+import tempfile
 
 import jax
 
@@ -74,3 +76,26 @@ def load(logdir: str, annotations=("data_loading",)) -> tuple[list[OpEvent], lis
 def _is_kernel_line(line_name: str) -> bool:
     """GPU stream lines: kernels there without an HLO op (library calls, e.g. NCCL) still take device time."""
     return line_name.startswith("Stream")
+
+
+def kernel_key(e: OpEvent) -> str:
+    """A kernel's name in a table: its HLO op, or its own name where a command buffer (CUDA graph) replayed it under
+    the buffer's op name (for XLA's fusions, the instruction's name with '.' and '-' made '_')."""
+    return e.name if not e.hlo_op or e.hlo_op.startswith("command_buffer") else e.hlo_op
+
+
+def device_ops_of_calls(f, *args, calls: int = 5) -> list[OpEvent]:
+    """The device's kernels, in start order, while `calls` back-to-back calls of f(*args) run (after one untraced
+    call, which compiles it)."""
+    jax.block_until_ready(f(*args))
+    logdir = tempfile.mkdtemp(prefix="profile_trace_")
+    try:
+        with jax.profiler.trace(logdir):
+            out = None
+            for _ in range(calls):
+                out = f(*args)
+            jax.block_until_ready(out)
+        ops = [e for e in load(logdir)[0] if e.plane.startswith("/device")]
+    finally:
+        shutil.rmtree(logdir, ignore_errors=True)
+    return sorted(ops, key=lambda e: e.start_ns)
