@@ -48,7 +48,9 @@ def test_evaluate_lm_scores_as_the_hf_backend(tmp_path, monkeypatch):
     from launch import evaluate_lm
 
     seed = int(np.random.SeedSequence().entropy % 2**31)
-    checkpoint = str(zaya_jax.to_hf(random_model(CFG, seed=seed), tmp_path / "hf"))
+    # the skip class at HF's own bias: transformers' from_pretrained resets it to -1 whatever the file holds (spec
+    # 5.1), so another value scores tokens that pick the skip class differently on the two sides
+    checkpoint = str(zaya_jax.to_hf(random_model(CFG, seed=seed, skip_bias=-1.0), tmp_path / "hf"))
     with open(os.path.join(TASK_DIR, "zaya_toy_mc.jsonl")) as f:
         write_bpe_tokenizer(checkpoint, task_texts([json.loads(line) for line in f]), vocab_size=300)
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
