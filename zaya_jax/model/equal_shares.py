@@ -13,6 +13,11 @@ REFILL_ROUNDS rounds every handed-on token bids for its best expert with room, a
 bidders of the highest score for it; tokens left after the rounds fill the remaining room in token order. A token
 of an expert at or under its share never moves, nor does a token routed to the skip class. Shares: floor(M / E) of
 the M routed tokens, the remainder's extra tokens to the experts that hold the most. Ties break by token order.
+
+Only the first N / BIDDER_FRACTION handed-on tokens (in token order) bid; any beyond them go to the fill. After the
+solve a few percent of the tokens move, so the bids are ranked among that compacted set by counting its pairs (one
+fused reduction) instead of by a sort of all N tokens: sorts of a few thousand elements are chains of small
+launches on a GPU.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import jax.numpy as jnp
 from zaya_jax.ops.balancing_solve import order_keys
 
 REFILL_ROUNDS = 2
+BIDDER_FRACTION = 4
 
 
 def _sizes(group, num_groups: int):
@@ -40,6 +46,14 @@ def _ranks_within_groups(group, priority, num_groups: int):
     sizes = _sizes(group, num_groups + 1)
     start = jnp.cumsum(sizes) - sizes
     return jnp.zeros(n, jnp.int32).at[order].set(iota - start[sorted_group])
+
+
+def _ranks_by_counting(group, priority):
+    """The same ranks as _ranks_within_groups for a small set: each element counts the elements of its group ahead
+    of it (higher priority, or equal and earlier)."""
+    i = jnp.arange(group.shape[0])
+    ahead = (priority[None, :] > priority[:, None]) | ((priority[None, :] == priority[:, None]) & (i[None, :] < i[:, None]))
+    return ((group[None, :] == group[:, None]) & ahead).sum(1, dtype=jnp.int32)
 
 
 def _score_of(scores, expert):
@@ -65,15 +79,25 @@ def equal_shares(scores, index, valid):
     margin = jnp.where(valid, own - other, -jnp.inf)
     moving = routed & (_ranks_within_groups(expert, order_keys(margin), E) >= share[jnp.minimum(expert, E - 1)])
     room = share - jnp.minimum(counts, share)
-    new = expert
+
+    # the bidders: the first `cap` handed-on tokens, gathered in token order (slot -> token; n marks an empty slot)
+    cap = max(1, n // BIDDER_FRACTION)
+    place = jnp.cumsum(moving, dtype=jnp.int32) - 1
+    token = jnp.full(cap, n, jnp.int32).at[jnp.where(moving, place, cap)].set(jnp.arange(n, dtype=jnp.int32),
+                                                                               mode="drop")
+    bid_scores = scores[jnp.minimum(token, n - 1)]
+    bid_valid = valid[jnp.minimum(token, n - 1)]
+    won = jnp.full(cap, E, jnp.int32)  # the expert each slot's token won, E while none
     for _ in range(REFILL_ROUNDS):
-        target = jnp.argmax(jnp.where(room > 0, scores, -jnp.inf), axis=-1).astype(jnp.int32)
-        bid = jnp.where(moving, target, E)
-        priority = order_keys(jnp.where(valid, _score_of(scores, target), -jnp.inf))
-        won = moving & (_ranks_within_groups(bid, priority, E) < room[target])
-        new = jnp.where(won, target, new)
-        room = room - _sizes(jnp.where(won, target, E), E)
-        moving = moving & ~won
+        target = jnp.argmax(jnp.where(room > 0, bid_scores, -jnp.inf), axis=-1).astype(jnp.int32)
+        bidding = (token < n) & (won == E)
+        priority = order_keys(jnp.where(bid_valid, _score_of(bid_scores, target), -jnp.inf))
+        wins = bidding & (_ranks_by_counting(jnp.where(bidding, target, E), priority) < room[target])
+        won = jnp.where(wins, target, won)
+        room = room - _sizes(jnp.where(wins, target, E), E)
+    won_by_token = jnp.full(n, E, jnp.int32).at[token].set(won, mode="drop")
+    new = jnp.where(won_by_token < E, won_by_token, expert)
+    moving = moving & (won_by_token == E)
     # the k-th token left goes to the expert whose room, counted from expert 0, holds slot k
     slot = jnp.cumsum(moving) - 1
     fill = (jnp.cumsum(room)[None, :] <= slot[:, None]).sum(1).astype(jnp.int32)
@@ -81,4 +105,4 @@ def equal_shares(scores, index, valid):
     return jnp.where(routed, new, index).astype(index.dtype), routed & (new != expert)
 
 
-__all__ = ["equal_shares", "REFILL_ROUNDS"]
+__all__ = ["equal_shares", "REFILL_ROUNDS", "BIDDER_FRACTION"]
