@@ -10,7 +10,7 @@ Runs:
   xla_solve    the same with the XLA rounds (solve_impl 'xla')
   controller_units128  the controller with each expert's rows padded to whole 128-row tiles of the grouped GEMM
                (by default to 64-row units, the last tile of an expert running 64 rows)
-  rounds12     the controller with 12 solve rounds instead of 24 (equal shares moving more tokens)
+  roundsN      the controller with N solve rounds (rounds12, rounds8, ...; equal shares moving more tokens)
   no_equal_shares  the controller selecting with the solve's correction alone (groups within some 15-20% of equal,
                padded to row tiles): against controller, what equal shares cost a step net of the tiles they fill
   random       each token to a random expert and nothing solving: groups as uneven as sampling makes them, each
@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -43,7 +44,6 @@ RUNS = {
     "controller": ([], {}),
     "xla_solve": (["--config.model.overrides.solve_impl=xla"], {}),
     "controller_units128": ([], {"BLOCK_ROWS": "128"}),
-    "rounds12": ([], {"SOLVE_ROUNDS": "12"}),
     "no_equal_shares": ([], {"EQUAL_SHARES": "off"}),
     "round_robin": (["--config.balancing.learning_rate=0.0"], {"ROUTING": "round_robin"}),
     "random": (["--config.balancing.learning_rate=0.0"], {"ROUTING": "random"}),
@@ -54,7 +54,7 @@ TOKENS_PER_S = f"tokens_per_s_median_steps_{FIRST_TIMED_STEP}_on"  # each run's 
 
 
 def command(name: str, config: str, steps: int, workdir: str, extra: list[str]) -> tuple[list[str], dict]:
-    flags, env = RUNS[name]
+    flags, env = RUNS[name] if name in RUNS else ([], {"SOLVE_ROUNDS": name.removeprefix("rounds")})
     module = "benchmarks.train_solve_variant" if env else "launch.train"
     argv = [sys.executable, "-m", module, "--config", config, f"--config.train.steps={steps}",
             "--config.train.log_every=1", "--workdir", workdir, *flags, *extra]
@@ -109,9 +109,9 @@ def main():
     ap.add_argument("extra", nargs="*", help="flags added to every run (after --)")
     args = ap.parse_args()
     names = args.runs.split(",")
-    unknown = [n for n in names if n not in RUNS]
+    unknown = [n for n in names if n not in RUNS and not re.fullmatch(r"rounds\d+", n)]
     if unknown:
-        ap.error(f"unknown runs {unknown}; known: {sorted(RUNS)}")
+        ap.error(f"unknown runs {unknown}; known: {sorted(RUNS)} and roundsN")
     if args.steps <= FIRST_TIMED_STEP:
         ap.error(f"--steps must exceed {FIRST_TIMED_STEP} (the first timed step)")
     if args.repeats < 1:

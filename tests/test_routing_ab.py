@@ -14,6 +14,8 @@ def test_each_run_is_the_documented_command():
     assert "--config.model.overrides.solve_impl=xla" in routing_ab.command("xla_solve", "C.py", 14, "W", [])[0]
     argv, env = routing_ab.command("no_equal_shares", "C.py", 14, "W", [])
     assert env == {"EQUAL_SHARES": "off"} and argv[2] == "benchmarks.train_solve_variant"
+    argv, env = routing_ab.command("rounds8", "C.py", 14, "W", [])
+    assert env == {"SOLVE_ROUNDS": "8"} and argv[2] == "benchmarks.train_solve_variant"
 
 
 def test_summary_times_steps_after_warmup_and_keeps_every_load():
