@@ -4,8 +4,7 @@ pallas_kernels/balancing_solve.py) at its defaults and at other token chunks and
 inputs, one process; per step = 16 microbatches x 8 layers. Medians of 7 repeats of 50 calls. --baseline FILE (may
 repeat) times other versions of the kernel module in the same run (`git show REV:pallas_kernels/balancing_solve.py`).
 Then equal shares (model/equal_shares.py) on the scores plus the solve's correction, as the train step runs it,
-with its kernel time from a profiler trace, per kernel (--equal-shares-only: that alone), and a probe of it with
-the hand-on's ranks counted over all token pairs. The bf16 GEMM ceiling is
+with its kernel time from a profiler trace, per kernel (--equal-shares-only: that alone). The bf16 GEMM ceiling is
 printed first (the machine's state in this run).
 
 python -m benchmarks.bench_routing_solve [--out FILE.json] [--baseline FILE ...] [--equal-shares-only]"""
@@ -25,7 +24,7 @@ from benchmarks.systems import profile_trace
 from benchmarks.systems.timing import seconds_per_call
 from pallas_kernels import balancing_solve as kernel
 from zaya_jax.model import routing_stats as rs
-from zaya_jax.model import equal_shares as es
+from zaya_jax.model.equal_shares import equal_shares
 
 N, E, CALLS_PER_STEP = 8192, 16, 16 * 8
 
@@ -60,24 +59,17 @@ def time_solve(impl, chunk=None, warps=None, module=None):
     return seconds_per_call(f, x, reps=7, calls=50, warmup=0) * 1e6, np.asarray(delta)
 
 
-def time_equal_shares(hand_on_by_counting=False):
-    """After the solve: equal shares on the scores plus its correction (the selection's own imbalance). With
-    hand_on_by_counting the over-full experts' ranks count all N x N token pairs instead of sorting (a probe)."""
+def time_equal_shares():
+    """After the solve: equal shares on the scores plus its correction (the selection's own imbalance)."""
     x = jax.random.uniform(jax.random.key(0), (N, E)) * 1e-3
     valid = jnp.ones(N, bool)
     scores = x + rs.balancing_correction(x, valid, "xla")
     index = jnp.argmax(scores, -1).astype(jnp.int32)
-    sorted_ranks = es._ranks_within_groups
-    if hand_on_by_counting:
-        es._ranks_within_groups = lambda group, priority, num_groups: es._ranks_by_counting(group, priority)
-    f = jax.jit(lambda s, i: es.equal_shares(s, i, valid))
-    new, moved = f(scores, index)
-    es._ranks_within_groups = sorted_ranks
+    f = jax.jit(lambda s, i: equal_shares(s, i, valid))
+    moved = int(f(scores, index)[1].sum())
     us = seconds_per_call(f, scores, index, reps=7, calls=50, warmup=0) * 1e6
-    return dict(impl="equal_shares" + ("_hand_on_by_counting" if hand_on_by_counting else ""),
-                us_per_call=round(us, 1), ms_per_step=round(us * CALLS_PER_STEP / 1e3, 2),
-                moved_tokens=int(moved.sum()), assignment_checksum=int((np.asarray(new) * np.arange(N)).sum() % 2**31),
-                device=device_time(f, scores, index))
+    return dict(impl="equal_shares", us_per_call=round(us, 1), ms_per_step=round(us * CALLS_PER_STEP / 1e3, 2),
+                moved_tokens=moved, device=device_time(f, scores, index))
 
 
 def device_time(f, *args, calls: int = 5) -> dict:
@@ -119,9 +111,8 @@ xla = [r["us_per_solve"] for r in rows if r["impl"] == "xla"]
 for r in rows:
     if "us_per_solve" in r:
         r["xla_over_this"] = round(np.median(xla) / r["us_per_solve"], 3)
-for by_counting in (False, True):
-    rows.append(time_equal_shares(by_counting))
-    print(rows[-1], flush=True)
+rows.append(time_equal_shares())
+print(rows[-1], flush=True)
 if "--out" in sys.argv:
     json.dump(dict(device=jax.devices()[0].device_kind, shape=[N, E], gemm_ceiling_tflops=round(ceiling), rows=rows),
               open(sys.argv[sys.argv.index("--out") + 1], "w"), indent=1)
