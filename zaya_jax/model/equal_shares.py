@@ -49,10 +49,11 @@ def _ranks_within_groups(group, priority, num_groups: int):
 
 
 def _ranks_by_counting(group, priority):
-    """The same ranks as _ranks_within_groups for a small set: each element counts the elements of its group ahead
-    of it (higher priority, or equal and earlier)."""
+    """The same ranks as _ranks_within_groups for a small set (the bids, the experts): each element counts the
+    elements of its group ahead of it (higher priority, or equal and earlier)."""
     i = jnp.arange(group.shape[0])
-    ahead = (priority[None, :] > priority[:, None]) | ((priority[None, :] == priority[:, None]) & (i[None, :] < i[:, None]))
+    other, me = priority[None, :], priority[:, None]
+    ahead = (other > me) | ((other == me) & (i[None, :] < i[:, None]))
     return ((group[None, :] == group[:, None]) & ahead).sum(1, dtype=jnp.int32)
 
 
@@ -70,9 +71,8 @@ def equal_shares(scores, index, valid):
     counts = _sizes(expert, E)
     total = counts.sum()
     # each expert's place when ordered by count, most first, ties by id (the remainder's extra tokens go first)
-    ids = jnp.arange(E)
-    ahead = (counts[None, :] > counts[:, None]) | ((counts[None, :] == counts[:, None]) & (ids[None, :] < ids[:, None]))
-    share = total // E + (ahead.sum(1) < total % E).astype(jnp.int32)
+    place_by_count = _ranks_by_counting(jnp.zeros(E, jnp.int32), counts)
+    share = total // E + (place_by_count < total % E).astype(jnp.int32)
 
     own = _score_of(scores, expert)
     other = jnp.where(jax.nn.one_hot(expert, E, dtype=bool), -jnp.inf, scores).max(-1)
