@@ -3,8 +3,9 @@ microbatch, at the library's constants: the XLA rounds (a sort each) against the
 pallas_kernels/balancing_solve.py) at its defaults and at other token chunks and warp counts; same
 inputs, one process; per step = 16 microbatches x 8 layers. Medians of 7 repeats of 50 calls. --baseline FILE (may
 repeat) times other versions of the kernel module in the same run (`git show REV:pallas_kernels/balancing_solve.py`).
-Then equal shares (model/equal_shares.py) on the scores plus the solve's correction, as the train step runs it,
-with its kernel time from a profiler trace, per kernel (--equal-shares-only: that alone). The bf16 GEMM ceiling is
+Then equal shares (model/equal_shares.py) on the scores plus the solve's correction, as the train step runs it, with
+the hand-on's cutoffs by a sort and by the Pallas search, twice each, interleaved, with the kernel time from a profiler
+trace, per kernel (--equal-shares-only: that alone). The bf16 GEMM ceiling is
 printed first (the machine's state in this run).
 
 python -m benchmarks.bench_routing_solve [--out FILE.json] [--baseline FILE ...] [--equal-shares-only]"""
@@ -59,16 +60,17 @@ def time_solve(impl, chunk=None, warps=None, module=None):
     return seconds_per_call(f, x, reps=7, calls=50, warmup=0) * 1e6, np.asarray(delta)
 
 
-def time_equal_shares():
-    """After the solve: equal shares on the scores plus its correction (the selection's own imbalance)."""
+def time_equal_shares(impl: str):
+    """After the solve: equal shares on the scores plus its correction (the selection's own imbalance), the hand-on's
+    cutoffs by a sort ('xla') or by the Pallas search ('pallas')."""
     x = jax.random.uniform(jax.random.key(0), (N, E)) * 1e-3
     valid = jnp.ones(N, bool)
     scores = x + rs.balancing_correction(x, valid, "xla")
     index = jnp.argmax(scores, -1).astype(jnp.int32)
-    f = jax.jit(lambda s, i: equal_shares(s, i, valid))
+    f = jax.jit(lambda s, i: equal_shares(s, i, valid, impl))
     moved = int(f(scores, index)[1].sum())
     us = seconds_per_call(f, scores, index, reps=7, calls=50, warmup=0) * 1e6
-    return dict(impl="equal_shares", us_per_call=round(us, 1), ms_per_step=round(us * CALLS_PER_STEP / 1e3, 2),
+    return dict(impl=f"equal_shares_{impl}", us_per_call=round(us, 1), ms_per_step=round(us * CALLS_PER_STEP / 1e3, 2),
                 moved_tokens=moved, device=device_time(f, scores, index))
 
 
@@ -111,8 +113,9 @@ xla = [r["us_per_solve"] for r in rows if r["impl"] == "xla"]
 for r in rows:
     if "us_per_solve" in r:
         r["xla_over_this"] = round(np.median(xla) / r["us_per_solve"], 3)
-rows.append(time_equal_shares())
-print(rows[-1], flush=True)
+for impl in ("xla", "pallas", "xla", "pallas"):
+    rows.append(time_equal_shares(impl))
+    print(rows[-1], flush=True)
 if "--out" in sys.argv:
     json.dump(dict(device=jax.devices()[0].device_kind, shape=[N, E], gemm_ceiling_tflops=round(ceiling), rows=rows),
               open(sys.argv[sys.argv.index("--out") + 1], "w"), indent=1)

@@ -4,9 +4,9 @@ per round, one program per expert.
 The reference runs each round as a chain of small XLA kernels around a sort of every expert's margins, so a round
 costs several launches and a sort. Here one program per expert recomputes every token's best and second-best score (a
 few reads of the [E, N] block, shared by the experts through the cache), forms its own expert's margins and finds the
-k-th and (k+1)-th largest by a search over the margins' order-preserving int32 keys (_largest: a bisection guided by
-their values, all reductions, which Pallas-Triton has; it has no sort). It picks exactly the elements the reference's
-sort picks.
+k-th and (k+1)-th largest by a search over the margins' order-preserving int32 keys (_order_search.largest: a
+bisection guided by their values, all reductions, which Pallas-Triton has; it has no sort). It picks exactly the
+elements the reference's sort picks.
 
 The rounds' shared state (every expert's bias change, its momentum, the previous round's midpoints and k-th largest
 margins, from which the next search starts) is updated at the start of the next round's launch, identically in every
@@ -22,99 +22,21 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels import _order_search as search
 from pallas_kernels import platform
 from pallas_kernels import vma
 
 F32 = jnp.float32
 I32 = jnp.int32
-INT_MIN = -(2 ** 31)
-INT_MAX = 2 ** 31 - 1
-VALUE_STEPS = 24
 CHUNK = 2048
+_warps = search.warps  # a name the benchmarks can replace
 MAX_SCORES = 1 << 16  # the [E, N] block one program reads whole (16 x 2048 at the bench preset's solve)
-
-
-def _key(x):
-    """fp32 -> int32 with the same order (negative floats' magnitude bits flipped)."""
-    u = jax.lax.bitcast_convert_type(x, I32)
-    return jnp.where(u < 0, u ^ 0x7FFFFFFF, u)
-
-
-def _value(key):
-    return jax.lax.bitcast_convert_type(jnp.where(key < 0, key ^ 0x7FFFFFFF, key), F32)
-
-
-NEG_INF_KEY = -0x7F800001  # _key(-inf): the bits 0xFF800000 with the magnitude flipped
-
-
-def _count_at_or_above(chunks, threshold):
-    """chunks: [n] int32 key blocks -> how many keys are >= threshold (the chunks' hits added first: one reduction,
-    whose latency is what a pass of the search costs)."""
-    return jnp.sum(sum((c >= threshold).astype(I32) for c in chunks))
-
-
-def _min_at_or_above(chunks, threshold):
-    return functools.reduce(jnp.minimum, [jnp.min(jnp.where(c >= threshold, c, INT_MAX)) for c in chunks])
-
-
-def _max_below(chunks, threshold):
-    return functools.reduce(jnp.maximum, [jnp.max(jnp.where(c < threshold, c, INT_MIN)) for c in chunks])
-
-
-def _split(lo, hi, step):
-    """A key strictly inside (lo, hi) (hi >= lo + 2): the keys' value midpoint, which halves the window's values and so,
-    on router margins, about halves the keys inside it; the key midpoint where that is not inside (adjacent or
-    subnormal values) or after VALUE_STEPS passes, so the search ends within VALUE_STEPS + 32 passes whatever the
-    data."""
-    middle = _key(0.5 * _value(lo) + 0.5 * _value(hi - 1))
-    halfway = jnp.right_shift(lo, 1) + jnp.right_shift(hi, 1) + (lo & hi & 1)  # floor((lo + hi) / 2), no overflow
-    return jnp.where((middle > lo) & (middle < hi) & (step < VALUE_STEPS), middle, halfway)
-
-
-def _largest(chunks, rank, guess=None):
-    """chunks: [n] int32 key blocks, rank int32 >= 1 -> (the rank-th largest key, how many keys are >= it).
-
-    A bisection over a window [lo, hi) that always starts and ends on keys present: lo the smallest key of the upper
-    part (at least rank keys >= lo), hi one past the largest key below it. Each pass counts the keys at or above a
-    split and moves lo up to the smallest key there or hi down to one past the largest key below it, until exactly
-    rank keys are >= lo or one distinct key is left: the same key a sort picks. The -inf keys (invalid tokens) stay
-    out of the window. guess: fp32 (low, high) values thought to hold the answer; the first pass checks them
-    (at least rank keys >= low, fewer > high) and starts from the keys between them if so, from all keys if not."""
-    num_finite = _count_at_or_above(chunks, NEG_INF_KEY + 1)
-    lo = _min_at_or_above(chunks, NEG_INF_KEY + 1)
-    hi = _max_below(chunks, INT_MAX) + 1
-    at_lo = num_finite
-    searching = num_finite >= rank  # else the rank-th largest is -inf
-    if guess is not None:
-        low = jnp.maximum(_key(guess[0]), NEG_INF_KEY + 1)
-        high = _key(guess[1]) + 1  # NaN guesses fail the check below
-        at_low = _count_at_or_above(chunks, low)
-        held = (at_low >= rank) & (_count_at_or_above(chunks, high) < rank)
-        lo = jnp.where(held, _min_at_or_above(chunks, low), lo)
-        hi = jnp.where(held, _max_below(chunks, high) + 1, hi)
-        at_lo = jnp.where(held, at_low, at_lo)
-
-    def more(state):
-        lo, hi, at_lo, _ = state
-        return searching & (at_lo != rank) & (hi - 1 != lo)
-
-    def narrow(state):
-        lo, hi, at_lo, step = state
-        split = _split(lo, hi, step)
-        count = _count_at_or_above(chunks, split)
-        up = count >= rank
-        return (jnp.where(up, _min_at_or_above(chunks, split), lo), jnp.where(up, hi, _max_below(chunks, split) + 1),
-                jnp.where(up, count, at_lo), step + 1)
-
-    lo, _, at_lo, _ = jax.lax.while_loop(more, narrow, (lo, hi, at_lo, jnp.zeros((), I32)))
-    total = sum(c.size for c in chunks)
-    return jnp.where(searching, lo, NEG_INF_KEY), jnp.where(searching, at_lo, total)
 
 
 def _kth_and_next(chunks, k, guess=None):
     """The k-th and (k+1)-th largest of the keys (k in [1, count - 1])."""
-    kth, ties = _largest(chunks, k, guess)
-    return kth, jnp.where(ties > k, kth, _max_below(chunks, kth))
+    kth, ties = search.largest(chunks, k, guess)
+    return kth, jnp.where(ties > k, kth, search.max_below(chunks, kth))
 
 
 def _pick(vector, index):
@@ -143,10 +65,10 @@ def _median_kernel(scores_ref, valid_ref, median_ref):
     for part in _chunks(scores_ref.shape[1]):
         valid = valid_ref[part] != 0
         count = count + jnp.sum(valid.astype(I32))
-        keys.append(_key(jnp.where(valid, scores_ref[pl.ds(e, 1), part][0], -jnp.inf)))
+        keys.append(search.order_key(jnp.where(valid, scores_ref[pl.ds(e, 1), part][0], -jnp.inf)))
     # the ((count - 1) // 2)-th smallest valid score is the (count - (count - 1) // 2)-th largest
     rank = jnp.maximum(count - jax.lax.div(count - 1, 2), 1)
-    median_ref[...] = jnp.full((1,), _value(_largest(keys, rank)[0]), F32)
+    median_ref[...] = jnp.full((1,), search.key_value(search.largest(keys, rank)[0]), F32)
 
 
 def _round_kernel(scores_ref, valid_ref, delta_ref, change_ref, middle_ref, kth_ref, delta_out, change_out, middle_out,
@@ -174,7 +96,7 @@ def _round_kernel(scores_ref, valid_ref, delta_ref, change_ref, middle_ref, kth_
         leader = jnp.min(jnp.where(s == first[None, :], rows[:, None], padded), axis=0)
         second = jnp.max(jnp.where(rows[:, None] == leader[None, :], -jnp.inf, s), axis=0)
         own = scores_ref[pl.ds(e, 1), part][0] + mine
-        keys.append(_key(jnp.where(valid, own - jnp.where(leader == e, second, first), -jnp.inf)))
+        keys.append(search.order_key(jnp.where(valid, own - jnp.where(leader == e, second, first), -jnp.inf)))
     k = jnp.clip(jax.lax.div(count, num_experts), 1, num_tokens - 1)
     # A token's margin for e is its score for e less its best other score, so this round's change moves every margin
     # by change[e] less some other expert's change: the k-th largest moves by as much, give or take a few roundings
@@ -186,8 +108,8 @@ def _round_kernel(scores_ref, valid_ref, delta_ref, change_ref, middle_ref, kth_
     own_change = _pick(change, e)
     guess = (previous + (own_change - most) - slack, previous + (own_change - least) + slack)
     kth, next_ = _kth_and_next(keys, k, guess)
-    middle_out[...] = jnp.full((1,), 0.5 * (_value(kth) + _value(next_)), F32)
-    kth_out[...] = jnp.full((1,), _value(kth), F32)
+    middle_out[...] = jnp.full((1,), 0.5 * (search.key_value(kth) + search.key_value(next_)), F32)
+    kth_out[...] = jnp.full((1,), search.key_value(kth), F32)
 
 
 def _padded(scores, valid):
@@ -201,19 +123,13 @@ def _padded(scores, valid):
     return vma.vary_to_union(scores, jnp.pad(valid.astype(I32), (0, pn - num_tokens)))
 
 
-def _warps(num_tokens: int) -> int:
-    """About 8 keys of a chunk per thread."""
-    lanes = 64 if platform.vendor() == "rocm" else 32
-    return int(min(8, max(2, min(num_tokens, CHUNK) // (8 * lanes))))
-
-
 def solve(scores, valid, *, rounds: int, damping: float, momentum: float):
     """scores [E, N] fp32, valid [N] bool -> the zero-mean bias change [E]; the reference's numerics."""
     num_experts, num_tokens = scores.shape
     scores, valid = _padded(scores, valid)
     pe, pn = scores.shape
     grid = (num_experts,)
-    params = platform.compiler_params(_warps(pn), 1)
+    params = platform.compiler_params(_warps(min(pn, CHUNK)), 1)
     one = pl.BlockSpec((1,), lambda e: (e,))
     median = pl.pallas_call(_median_kernel, grid=grid, out_specs=one, out_shape=vma.out_struct((pe,), F32, scores),
                             compiler_params=params, interpret=platform.interpret())(scores, valid)

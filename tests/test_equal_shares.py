@@ -55,13 +55,15 @@ def replay(scores, index, valid):
 
 # expert offsets of 2e-3 hand on more tokens than bid (the rest fill), 1e-4 fewer (every one bids)
 @pytest.mark.parametrize("n, experts, offset", [(96, 4, 2e-3), (250, 8, 2e-3), (250, 8, 1e-4)])
-def test_shares_are_equal_and_match_the_replay(n, experts, offset):
+@pytest.mark.parametrize("impl", ["xla", "pallas"])  # the hand-on's cutoffs by a sort or by the Pallas search
+def test_shares_are_equal_and_match_the_replay(n, experts, offset, impl):
     rng, seed = fresh_rng()
     scores = (rng.normal(size=(n, experts)) * 1e-3 + rng.normal(size=experts) * offset).astype(np.float32)
     index = scores.argmax(-1)
     index[rng.random(n) < 0.05] = experts  # the skip class
     valid = rng.random(n) < 0.9
-    new, moved = jax.jit(equal_shares)(jnp.asarray(scores), jnp.asarray(index, jnp.int32), jnp.asarray(valid))
+    new, moved = jax.jit(lambda *a: equal_shares(*a, impl=impl))(jnp.asarray(scores), jnp.asarray(index, jnp.int32),
+                                                                 jnp.asarray(valid))
     new, moved = np.asarray(new), np.asarray(moved)
     np.testing.assert_array_equal(new, replay(scores, index, valid), err_msg=f"seed {seed}")
     routed = index < experts

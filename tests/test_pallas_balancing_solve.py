@@ -116,7 +116,7 @@ def test_search_finds_the_sorted_key_on_hard_inputs():
     on keys that defeat a value bisection: values from 1e-38 to 1e38 of both signs, subnormals, signed zeros, one
     value repeated, two clusters far apart, -inf (invalid) keys; every rank, with the count of keys at or above it;
     without a guess, from a guess that holds the answer, one that misses it, and a NaN one (a first round)."""
-    from pallas_kernels.balancing_solve import _key, _largest, _value
+    from pallas_kernels._order_search import key_value, largest, order_key
     seed = int(np.random.SeedSequence().entropy % 2**31)
     rng = np.random.default_rng(seed)
     n = 257
@@ -128,14 +128,14 @@ def test_search_finds_the_sorted_key_on_hard_inputs():
         "clusters": np.where(rng.random(n) < 0.5, 1e6, -1e6) + rng.normal(size=n) * 1e-2,
         "invalid": np.where(rng.random(n) < 0.7, -np.inf, rng.normal(size=n)),
     }
-    search = jax.jit(lambda keys, rank, guess: _largest([keys], rank, guess))
-    plain = jax.jit(lambda keys, rank: _largest([keys], rank))
+    search = jax.jit(lambda keys, rank, guess: largest([keys], rank, guess))
+    plain = jax.jit(lambda keys, rank: largest([keys], rank))
     for name, values in cases.items():
-        keys = _key(jnp.asarray(values, jnp.float32))
+        keys = order_key(jnp.asarray(values, jnp.float32))
         ranked = np.sort(np.asarray(keys))[::-1]
         for rank in [1, 2, n // 3, n // 2, n - 1, n]:
             want = ranked[rank - 1]
-            value = float(_value(jnp.int32(want)))
+            value = float(key_value(jnp.int32(want)))
             guesses = {"holds": (value - abs(value) * 1e-3, value + abs(value) * 1e-3 + 1e-44),
                        "misses": (value + abs(value) + 1.0, value + abs(value) + 2.0), "nan": (np.nan, np.nan)}
             results = {"none": plain(keys, jnp.int32(rank))}

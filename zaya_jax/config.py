@@ -75,7 +75,8 @@ class ModelConfig:
     conv_impl: str = "xla"  # 'xla' | 'pallas': CCA's q/k mixing, both convolutions + mean residuals (ops/cca_conv.py)
     moe_impl: str = "ragged"  # 'ragged' (sort + lax.ragged_dot) | 'pallas' (tile-padded grouped GEMM kernels)
     #                           | 'dense' (reference: every expert on every token) | 'decode' (few tokens, experts.py)
-    solve_impl: str = "xla"  # 'xla' | 'pallas': the train step's balancing solve (ops/balancing_solve.py)
+    solve_impl: str = "xla"  # 'xla' | 'pallas': the train step's balancing solve and equal shares' hand-on
+    #                         (ops/balancing_solve.py, ops/group_quota.py)
     remat: str = "full"  # 'none' | 'full' | 'save_dots' | 'save_attention'  (activation checkpoint policy)
     scan_layers: bool = True
 

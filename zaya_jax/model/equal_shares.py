@@ -25,32 +25,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from zaya_jax.ops import group_quota
 from zaya_jax.ops.balancing_solve import order_keys
 
 REFILL_ROUNDS = 2
 BIDDER_FRACTION = 4
 
 
-def _sizes(group, num_groups: int):
-    """[num_groups] token counts of group [N] (values num_groups and above counted nowhere): a reduction, which XLA
-    fuses, where a scatter-add would be a kernel of its own."""
-    return jax.nn.one_hot(group, num_groups, dtype=jnp.int32).sum(0)
-
-
-def _ranks_within_groups(group, priority, num_groups: int):
-    """group [N] int32 in [0, num_groups], priority [N] int32 -> each token's rank within its group, highest
-    priority first, ties in token order."""
-    n = group.shape[0]
-    iota = jnp.arange(n, dtype=jnp.int32)
-    sorted_group, _, order = jax.lax.sort((group, ~priority, iota), num_keys=2, is_stable=True)  # ~p: descending
-    sizes = _sizes(group, num_groups + 1)
-    start = jnp.cumsum(sizes) - sizes
-    return jnp.zeros(n, jnp.int32).at[order].set(iota - start[sorted_group])
-
-
 def _ranks_by_counting(group, priority):
-    """The same ranks as _ranks_within_groups for a small set (the bids, the experts): each element counts the
-    elements of its group ahead of it (higher priority, or equal and earlier)."""
+    """The ranks of ops/group_quota.ranks_within_groups for a small set (the bids, the experts): each element counts
+    the elements of its group ahead of it (higher priority, or equal and earlier)."""
     i = jnp.arange(group.shape[0])
     other, me = priority[None, :], priority[:, None]
     ahead = (other > me) | ((other == me) & (i[None, :] < i[:, None]))
@@ -61,14 +45,15 @@ def _score_of(scores, expert):
     return jnp.take_along_axis(scores, jnp.minimum(expert, scores.shape[1] - 1)[:, None], axis=1)[:, 0]
 
 
-def equal_shares(scores, index, valid):
+def equal_shares(scores, index, valid, impl: str = "xla"):
     """scores [N, E] fp32: the expert scores the selection took its argmax of (probabilities + biases +
     correction); index [N] int32 in [0, E] (E: the skip class); valid [N] bool -> (index [N] with every expert at
-    floor or ceil of M / E of the M routed tokens, moved [N] bool: the tokens given another expert)."""
+    floor or ceil of M / E of the M routed tokens, moved [N] bool: the tokens given another expert). impl: how the
+    over-full experts pick the tokens they keep (ops/group_quota.py)."""
     n, E = scores.shape
     routed = index < E
     expert = jnp.where(routed, index, E).astype(jnp.int32)
-    counts = _sizes(expert, E)
+    counts = group_quota.sizes(expert, E)
     total = counts.sum()
     # each expert's place when ordered by count, most first, ties by id (the remainder's extra tokens go first)
     place_by_count = _ranks_by_counting(jnp.zeros(E, jnp.int32), counts)
@@ -77,7 +62,7 @@ def equal_shares(scores, index, valid):
     own = _score_of(scores, expert)
     other = jnp.where(jax.nn.one_hot(expert, E, dtype=bool), -jnp.inf, scores).max(-1)
     margin = jnp.where(valid, own - other, -jnp.inf)
-    moving = routed & (_ranks_within_groups(expert, order_keys(margin), E) >= share[jnp.minimum(expert, E - 1)])
+    moving = ~group_quota.kept(order_keys(margin), expert, share, impl)
     room = share - jnp.minimum(counts, share)
 
     # the bidders: the first `cap` handed-on tokens, gathered in token order (slot -> token; n marks an empty slot)
@@ -94,7 +79,7 @@ def equal_shares(scores, index, valid):
         priority = order_keys(jnp.where(bid_valid, _score_of(bid_scores, target), -jnp.inf))
         wins = bidding & (_ranks_by_counting(jnp.where(bidding, target, E), priority) < room[target])
         won = jnp.where(wins, target, won)
-        room = room - _sizes(jnp.where(wins, target, E), E)
+        room = room - group_quota.sizes(jnp.where(wins, target, E), E)
     won_by_token = jnp.full(n, E, jnp.int32).at[token].set(won, mode="drop")
     new = jnp.where(won_by_token < E, won_by_token, expert)
     moving = moving & (won_by_token == E)

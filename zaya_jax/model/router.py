@@ -69,7 +69,7 @@ class Router(nnx.Module):
         moved = jnp.zeros(index.shape, bool)
         if self.balance_tokens:
             index, moved = equal_shares(score[..., :-1].reshape(-1, cfg.num_experts), index.reshape(-1),
-                                        valid.reshape(-1))
+                                        valid.reshape(-1), cfg.solve_impl)
             index = checkpoint_name(index.reshape(valid.shape), routing_stats.SELECTION_NAME)
             moved = moved.reshape(valid.shape)
         weight = jnp.take_along_axis(probs, index[..., None], axis=-1)[..., 0]
