@@ -1,0 +1,89 @@
+"""Where the balancing controller's time goes inside a training microbatch: the forward and backward of the bench run
+(benchmarks/routing_bench_config.py: configs/zaya1_base.py's kernels at the bench preset, one microbatch of 2 x 4096
+tokens, fresh random weights) traced twice, with the controller on (the solve and equal shares in every layer) and off
+(balancing.learning_rate 0: selection by the stored biases). Kernels are attributed to the model source line that
+emitted them (benchmarks/training/bench_profile.py). Per mode: kernel time, the GPU's idle time between kernels, and
+the kernels of the routing's own files (the solve, equal shares, the statistics); then the source lines whose time
+differs most between the modes. The bf16 GEMM ceiling is printed first.
+
+python -m benchmarks.profile_routing [--out FILE.json] [--preset tiny: a smoke test on 2 x 256 tokens]"""
+
+from __future__ import annotations
+
+import glob
+import json
+import sys
+import tempfile
+
+import jax
+from flax import nnx
+
+from benchmarks.routing_bench_config import get_config
+from benchmarks.kernels.bench import gemm_ceiling_tflops
+from benchmarks.training.bench_profile import breakdown, hlo_op_names, hlo_sources
+from benchmarks.training.bench_programs import make_batch
+from zaya_jax.config import preset
+from zaya_jax.model.base import BalancingBias
+from zaya_jax.model.zaya import ZayaForCausalLM
+from zaya_jax.train.program import graphdef_of
+from zaya_jax.train.step import make_loss_fn
+
+ROUTING_FILES = ("router.py", "equal_shares.py", "routing_stats.py", "balancing_solve.py", "group_quota.py",
+                 "_order_search.py")
+CALLS = 3
+
+
+def profile(grad, state, batch) -> dict:
+    args = (state["params"], state["model_state"], batch)
+    compiled = grad.lower(*args).compile()
+    jax.block_until_ready(compiled(*args))
+    logdir = tempfile.mkdtemp(prefix="profile_routing_")
+    with jax.profiler.trace(logdir):
+        for _ in range(CALLS):
+            out = compiled(*args)
+        jax.block_until_ready(out)
+    text = compiled.as_text()
+    pd = jax.profiler.ProfileData.from_file(glob.glob(f"{logdir}/plugins/profile/*/*.xplane.pb")[0])
+    b = breakdown(pd, hlo_op_names(text), CALLS, gpu=jax.default_backend() == "gpu", forward_only=False, sources=hlo_sources(text))
+    routing = {k: t for k, t in b["top_sources_ms"] if any(f in k for f in ROUTING_FILES)}
+    gaps = b.get("busiest_stream", {})
+    return {"kernel_ms": round(b["kernel_ms_per_step"], 3), "idle_ms": round(gaps.get("idle_ms_per_call", 0), 3),
+            "kernels": gaps.get("kernels_per_call"), "routing_ms": round(sum(routing.values()), 3),
+            "routing_sources_ms": routing, "sources_ms": dict(b["top_sources_ms"])}
+
+
+def main():
+    config = get_config()
+    name = sys.argv[sys.argv.index("--preset") + 1] if "--preset" in sys.argv else config.model.preset
+    cfg = preset(name, **dict(config.model.overrides))
+    seq = 4096 if name == config.model.preset else 256
+    ceiling = gemm_ceiling_tflops(8192)
+    print(f"bf16 GEMM ceiling {ceiling:.0f} TFLOP/s", flush=True)
+    _, params, model_state = nnx.split(ZayaForCausalLM(cfg, seed=0), nnx.Param, BalancingBias)
+    state = {"params": nnx.to_pure_dict(params), "model_state": nnx.to_pure_dict(model_state)}
+    batch = make_batch(cfg, 2, seq)
+    graphdef = graphdef_of(cfg, 0)
+    modes = {}
+    for name, on in (("controller", True), ("off", False)):
+        loss = make_loss_fn(graphdef, False, ce_chunk_tokens=config.train.ce_chunk_tokens, balance_tokens=on,
+                            solve=on)
+        grad = jax.jit(jax.value_and_grad(loss, has_aux=True))
+        modes[name] = profile(grad, state, batch)
+        m = modes[name]
+        print(f"{name}: kernels {m['kernel_ms']} ms ({m['kernels']} launches), idle {m['idle_ms']} ms, routing files "
+              f"{m['routing_ms']} ms", flush=True)
+        for k, t in list(m["routing_sources_ms"].items())[:12]:
+            print(f"    {t:8.3f}  {k}")
+    on, off = modes["controller"]["sources_ms"], modes["off"]["sources_ms"]
+    diff = sorted(((on.get(k, 0) - off.get(k, 0), k) for k in set(on) | set(off)), key=lambda d: -abs(d[0]))[:25]
+    print("largest differences, controller - off (ms per microbatch):")
+    for d, k in diff:
+        print(f"    {d:+8.3f}  {k}")
+    if "--out" in sys.argv:
+        json.dump(dict(device=jax.devices()[0].device_kind, gemm_ceiling_tflops=round(ceiling), modes=modes,
+                       differences=[[k, round(d, 3)] for d, k in diff]),
+                  open(sys.argv[sys.argv.index("--out") + 1], "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
