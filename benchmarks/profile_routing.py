@@ -74,14 +74,18 @@ def main():
               f"{m['routing_ms']} ms", flush=True)
         for k, t in list(m["routing_sources_ms"].items())[:12]:
             print(f"    {t:8.3f}  {k}")
+        save(modes, ceiling)  # each mode as it finishes: a run cut short keeps what it measured
     on, off = modes["controller"]["sources_ms"], modes["off"]["sources_ms"]
     diff = sorted(((on.get(k, 0) - off.get(k, 0), k) for k in set(on) | set(off)), key=lambda d: -abs(d[0]))[:25]
     print("largest differences, controller - off (ms per microbatch):")
     for d, k in diff:
         print(f"    {d:+8.3f}  {k}")
+    save(modes, ceiling, differences=[[k, round(d, 3)] for d, k in diff])
+
+
+def save(modes: dict, ceiling: float, **extra):
     if "--out" in sys.argv:
-        json.dump(dict(device=jax.devices()[0].device_kind, gemm_ceiling_tflops=round(ceiling), modes=modes,
-                       differences=[[k, round(d, 3)] for d, k in diff]),
+        json.dump(dict(device=jax.devices()[0].device_kind, gemm_ceiling_tflops=round(ceiling), modes=modes, **extra),
                   open(sys.argv[sys.argv.index("--out") + 1], "w"), indent=1)
 
 
