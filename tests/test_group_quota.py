@@ -16,7 +16,7 @@ from zaya_jax.ops.balancing_solve import order_keys
 
 def case(n, groups, rng):
     values = rng.normal(size=n) * rng.choice([1e-4, 1.0, 1e3])
-    values[rng.random(n) < 0.3] = np.round(values[rng.random(n) < 0.3].mean(), 1)  # a crowd of equal keys
+    values[rng.random(n) < 0.3] = np.round(values.mean(), 1)  # a crowd of equal keys
     values = np.where(rng.random(n) < 0.5, np.round(values, 1), values)  # more ties
     values[rng.random(n) < 0.1] = -np.inf
     group = rng.integers(0, groups + 1, n)  # `groups`: no group
