@@ -33,8 +33,9 @@ def _key_value(key):
     return jax.lax.bitcast_convert_type(jnp.where(key < 0, key ^ 0x7FFFFFFF, key), jnp.float32)
 
 
-def solve_reference(scores, valid, *, rounds: int, damping: float, momentum: float):
-    """scores [E, N] fp32, valid [N] bool -> the zero-mean bias change [E] (NaN-free only with >= 1 valid token)."""
+def solve_reference(scores, valid, *, rounds: int, damping: float, momentum: float, start=None):
+    """scores [E, N] fp32, valid [N] bool -> the zero-mean bias change [E] (NaN-free only with >= 1 valid token).
+    start: the change [E] the rounds start from (default: the one that equalises the experts' median scores)."""
     num_experts, n = scores.shape
     count = valid.sum()
     k = jnp.clip(count // num_experts, 1, n - 1)
@@ -56,7 +57,7 @@ def solve_reference(scores, valid, *, rounds: int, damping: float, momentum: flo
         change = change - change.mean()
         return (delta + change, change), None
 
-    start = median.mean() - median
+    start = median.mean() - median if start is None else start
     (delta, _), _ = jax.lax.scan(round_, (start, jnp.zeros_like(start)), None, length=rounds)
     return delta
 
