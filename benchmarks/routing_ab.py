@@ -11,6 +11,7 @@ Runs:
   controller_units128  the controller with each expert's rows padded to whole 128-row tiles of the grouped GEMM
                (by default to 64-row units, the last tile of an expert running 64 rows)
   roundsN      the controller with N solve rounds (rounds12, rounds8, ...; equal shares moving more tokens)
+  warmN        N solve rounds started from the stored biases instead of the medians (SOLVE_START=zero)
   no_equal_shares  the controller selecting with the solve's correction alone (groups within some 15-20% of equal,
                padded to row tiles): against controller, what equal shares cost a step net of the tiles they fill
   random       each token to a random expert and nothing solving: groups as uneven as sampling makes them, each
@@ -54,7 +55,12 @@ TOKENS_PER_S = f"tokens_per_s_median_steps_{FIRST_TIMED_STEP}_on"  # each run's 
 
 
 def command(name: str, config: str, steps: int, workdir: str, extra: list[str]) -> tuple[list[str], dict]:
-    flags, env = RUNS[name] if name in RUNS else ([], {"SOLVE_ROUNDS": name.removeprefix("rounds")})
+    if name in RUNS:
+        flags, env = RUNS[name]
+    elif name.startswith("warm"):
+        flags, env = [], {"SOLVE_ROUNDS": name.removeprefix("warm"), "SOLVE_START": "zero"}
+    else:
+        flags, env = [], {"SOLVE_ROUNDS": name.removeprefix("rounds")}
     module = "benchmarks.train_solve_variant" if env else "launch.train"
     argv = [sys.executable, "-m", module, "--config", config, f"--config.train.steps={steps}",
             "--config.train.log_every=1", "--workdir", workdir, *flags, *extra]

@@ -1,7 +1,7 @@
 """launch.train with the balancing solve's constants (zaya_jax/model/routing_stats.py) set from the environment,
 for the comparisons of docs/routing.md:
 
-    SOLVE_ROUNDS=16 SOLVE_TOKENS=8192 SOLVE_DAMPING=0.8 python -m benchmarks.train_solve_variant \
+    SOLVE_ROUNDS=16 SOLVE_TOKENS=8192 SOLVE_DAMPING=0.8 SOLVE_START=zero python -m benchmarks.train_solve_variant \
         --config benchmarks/routing_bench_config.py --config.train.steps=24 --workdir DIR
 
 ROUTING (with --config.balancing.learning_rate=0.0, so that nothing solves) replaces the router's choice of expert,
@@ -28,11 +28,12 @@ import jax.numpy as jnp
 
 from zaya_jax.model import router, routing_stats
 
-for name, kind in (("SOLVE_ROUNDS", int), ("SOLVE_TOKENS", int), ("SOLVE_DAMPING", float), ("SOLVE_MOMENTUM", float)):
+for name, kind in (("SOLVE_ROUNDS", int), ("SOLVE_TOKENS", int), ("SOLVE_DAMPING", float), ("SOLVE_MOMENTUM", float),
+                   ("SOLVE_START", str)):
     if name in os.environ:
         setattr(routing_stats, name, kind(os.environ[name]))
-print(f"solve: rounds {routing_stats.SOLVE_ROUNDS}, tokens {routing_stats.SOLVE_TOKENS}, "
-      f"damping {routing_stats.SOLVE_DAMPING}, momentum {routing_stats.SOLVE_MOMENTUM}", flush=True)
+print(f"solve: rounds {routing_stats.SOLVE_ROUNDS}, tokens {routing_stats.SOLVE_TOKENS}, damping "
+      f"{routing_stats.SOLVE_DAMPING}, momentum {routing_stats.SOLVE_MOMENTUM}, start {routing_stats.SOLVE_START}", flush=True)
 
 ROUTINGS = ("round_robin", "random")
 routing = os.environ.get("ROUTING")

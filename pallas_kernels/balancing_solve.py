@@ -123,19 +123,23 @@ def _padded(scores, valid):
     return vma.vary_to_union(scores, jnp.pad(valid.astype(I32), (0, pn - num_tokens)))
 
 
-def solve(scores, valid, *, rounds: int, damping: float, momentum: float):
-    """scores [E, N] fp32, valid [N] bool -> the zero-mean bias change [E]; the reference's numerics."""
+def solve(scores, valid, *, rounds: int, damping: float, momentum: float, start: str = "median"):
+    """scores [E, N] fp32, valid [N] bool -> the zero-mean bias change [E]; the reference's numerics (its `start`)."""
     num_experts, num_tokens = scores.shape
     scores, valid = _padded(scores, valid)
     pe, pn = scores.shape
     grid = (num_experts,)
     params = platform.compiler_params(_warps(min(pn, CHUNK)), 1)
     one = pl.BlockSpec((1,), lambda e: (e,))
-    median = pl.pallas_call(_median_kernel, grid=grid, out_specs=one, out_shape=vma.out_struct((pe,), F32, scores),
-                            compiler_params=params, interpret=platform.interpret())(scores, valid)
     real = jnp.arange(pe) < num_experts
-    median = jnp.where(real, median, 0.0)
-    start = jnp.where(real, jnp.sum(median) / num_experts - median, 0.0)
+    if start == "median":
+        median = pl.pallas_call(_median_kernel, grid=grid, out_specs=one,
+                                out_shape=vma.out_struct((pe,), F32, scores), compiler_params=params,
+                                interpret=platform.interpret())(scores, valid)
+        median = jnp.where(real, median, 0.0)
+        first = jnp.where(real, jnp.sum(median) / num_experts - median, 0.0)
+    else:  # zeros that vary like the scores inside shard_map
+        first = vma.vary(jnp.zeros(pe, F32), vma.varying_axes(scores))
     kernel = functools.partial(_round_kernel, num_experts=num_experts, num_tokens=num_tokens,
                                damping=float(damping), momentum=float(momentum))
     vector = vma.out_struct((pe,), F32, scores)
@@ -144,7 +148,7 @@ def solve(scores, valid, *, rounds: int, damping: float, momentum: float):
                             out_shape=(vector, vector, vector, vector), compiler_params=params,
                             interpret=platform.interpret())
     # (delta, change, midpoints, each expert's k-th largest margin: none known before the first round)
-    state = (start, jnp.zeros_like(start), jnp.zeros_like(start), jnp.full_like(start, jnp.nan))
+    state = (first, jnp.zeros_like(first), jnp.zeros_like(first), jnp.full_like(first, jnp.nan))
     for _ in range(int(rounds)):
         state = round_(scores, valid, *state)
     delta, _ = next_change(*state[:3], num_experts, damping, momentum)

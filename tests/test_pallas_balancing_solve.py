@@ -33,11 +33,11 @@ def scores_of(case, e, n, rng, spread=1e-4):
     return jnp.asarray(scores, jnp.float32)
 
 
-def check_kernel_matches_reference(case, e, n, padded, rng):
+def check_kernel_matches_reference(case, e, n, padded, rng, start="median"):
     scores = scores_of(case, e, n, rng)
     valid = jnp.asarray(rng.random(n) < 0.6) if padded else jnp.ones(n, bool)
-    reference = jax.jit(lambda s, v: solve(s, v, impl="xla", **CONSTANTS))(scores, valid)
-    kernel = jax.jit(lambda s, v: solve(s, v, impl="pallas", **CONSTANTS))(scores, valid)
+    reference = jax.jit(lambda s, v: solve(s, v, impl="xla", start=start, **CONSTANTS))(scores, valid)
+    kernel = jax.jit(lambda s, v: solve(s, v, impl="pallas", start=start, **CONSTANTS))(scores, valid)
     # the same order statistics every round: only the rounding of the zero-mean shift may differ
     np.testing.assert_allclose(np.asarray(kernel), np.asarray(reference), rtol=0, atol=1e-4 * 1e-4)
     index = np.argmax(np.asarray(scores + kernel[:, None]), 0)[np.asarray(valid)]
@@ -55,6 +55,15 @@ def test_kernel_picks_the_reference_order_statistics(case, e, n, padded):
     seed = int(np.random.SeedSequence().entropy % 2**31)
     try:
         check_kernel_matches_reference(case, e, n, padded, np.random.default_rng(seed))
+    except AssertionError as err:
+        raise AssertionError(f"seed {seed}") from err
+
+
+def test_kernel_matches_reference_from_the_stored_biases():
+    """start='zero' (the rounds from the biases as they are, no median kernel): the same order statistics."""
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    try:
+        check_kernel_matches_reference("nearly_uniform", 5, 1000, True, np.random.default_rng(seed), start="zero")
     except AssertionError as err:
         raise AssertionError(f"seed {seed}") from err
 
@@ -90,15 +99,17 @@ def test_kernel_takes_no_gradient_and_refuses_what_it_cannot_hold():
         solve(jnp.zeros((16, 8192)), jnp.ones(8192, bool), impl="pallas", **CONSTANTS)
 
 
-def test_kernel_lowers_for_cuda_inside_shard_map(monkeypatch):
+@pytest.mark.parametrize("start", ["median", "zero"])
+def test_kernel_lowers_for_cuda_inside_shard_map(monkeypatch, start):
     monkeypatch.setattr(platform, "interpret", lambda: False)
 
     def per_rank(scores, valid):
-        return solve(scores[0], valid[0], impl="pallas", **CONSTANTS)[None]
+        return solve(scores[0], valid[0], impl="pallas", start=start, **CONSTANTS)[None]
 
     text = vma.lower_in_shard_map_for_cuda(per_rank, (jnp.zeros((8, 16, 2048)), jnp.ones((8, 2048), bool)),
                                             in_specs=(P("data"), P("data")), out_specs=P("data"))
-    assert text.count("__gpu$xla.gpu.triton") == 1 + CONSTANTS["rounds"]  # the medians, then one per round
+    # the medians (for their start), then one launch per round
+    assert text.count("__gpu$xla.gpu.triton") == (start == "median") + CONSTANTS["rounds"]
 
 
 @pytest.mark.gpu

@@ -16,6 +16,7 @@ def test_each_run_is_the_documented_command():
     assert env == {"EQUAL_SHARES": "off"} and argv[2] == "benchmarks.train_solve_variant"
     argv, env = routing_ab.command("rounds8", "C.py", 14, "W", [])
     assert env == {"SOLVE_ROUNDS": "8"} and argv[2] == "benchmarks.train_solve_variant"
+    assert routing_ab.command("warm8", "C.py", 14, "W", [])[1] == {"SOLVE_ROUNDS": "8", "SOLVE_START": "zero"}
 
 
 def test_summary_times_steps_after_warmup_and_keeps_every_load():

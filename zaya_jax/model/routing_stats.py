@@ -54,6 +54,7 @@ SOLVE_ROUNDS = 24
 SOLVE_TOKENS = 2048
 SOLVE_DAMPING = 0.9
 SOLVE_MOMENTUM = 0.4
+SOLVE_START = "median"  # or 'zero': from the stored biases as they are (benchmarks/warm_start_study.py)
 CORRECTION_NAME = "balancing_correction"  # its checkpoint_name: remat policies keep it (model/zaya.py)
 SELECTION_NAME = "routed_experts"  # the train step's final expert per token (model/router.py), kept likewise
 
@@ -77,7 +78,7 @@ def balancing_correction(scores, valid, impl: str = "xla"):
         scores, valid = scores[subset], valid[subset]
     num_experts = scores.shape[1]
     delta = balancing_solve.solve(scores.T, valid, rounds=SOLVE_ROUNDS, damping=SOLVE_DAMPING,
-                                  momentum=SOLVE_MOMENTUM, impl=impl)
+                                  momentum=SOLVE_MOMENTUM, impl=impl, start=SOLVE_START)
     count = valid.sum()
     return checkpoint_name(jnp.where(count >= num_experts, delta, 0.0), CORRECTION_NAME)
 
@@ -116,4 +117,4 @@ def unpack(stats) -> RoutingStats:
 
 
 __all__ = ["RoutingStats", "balancing_correction", "token_sums", "unpack", "SOLVE_ROUNDS", "SOLVE_TOKENS",
-           "SOLVE_DAMPING", "SOLVE_MOMENTUM", "CORRECTION_NAME", "SELECTION_NAME"]
+           "SOLVE_DAMPING", "SOLVE_MOMENTUM", "SOLVE_START", "CORRECTION_NAME", "SELECTION_NAME"]

@@ -33,9 +33,10 @@ def _key_value(key):
     return jax.lax.bitcast_convert_type(jnp.where(key < 0, key ^ 0x7FFFFFFF, key), jnp.float32)
 
 
-def solve_reference(scores, valid, *, rounds: int, damping: float, momentum: float, start=None):
+def solve_reference(scores, valid, *, rounds: int, damping: float, momentum: float, start: str = "median"):
     """scores [E, N] fp32, valid [N] bool -> the zero-mean bias change [E] (NaN-free only with >= 1 valid token).
-    start: the change [E] the rounds start from (default: the one that equalises the experts' median scores)."""
+    start: the rounds start from the change that equalises the experts' median scores ('median') or from none
+    ('zero': the scores' biases as they are)."""
     num_experts, n = scores.shape
     count = valid.sum()
     k = jnp.clip(count // num_experts, 1, n - 1)
@@ -57,15 +58,17 @@ def solve_reference(scores, valid, *, rounds: int, damping: float, momentum: flo
         change = change - change.mean()
         return (delta + change, change), None
 
-    start = median.mean() - median if start is None else start
-    (delta, _), _ = jax.lax.scan(round_, (start, jnp.zeros_like(start)), None, length=rounds)
+    first = median.mean() - median if start == "median" else jnp.zeros_like(median)
+    (delta, _), _ = jax.lax.scan(round_, (first, jnp.zeros_like(first)), None, length=rounds)
     return delta
 
 
-def solve(scores, valid, *, rounds: int, damping: float, momentum: float, impl: str = "xla"):
+def solve(scores, valid, *, rounds: int, damping: float, momentum: float, impl: str = "xla", start: str = "median"):
+    if start not in ("median", "zero"):
+        raise ValueError(f"balancing solve: unknown start {start!r} (use 'median' or 'zero')")
     if impl == "xla":
-        return solve_reference(scores, valid, rounds=rounds, damping=damping, momentum=momentum)
+        return solve_reference(scores, valid, rounds=rounds, damping=damping, momentum=momentum, start=start)
     if impl == "pallas":
         from pallas_kernels.balancing_solve import solve as kernel
-        return kernel(scores, valid, rounds=rounds, damping=damping, momentum=momentum)
+        return kernel(scores, valid, rounds=rounds, damping=damping, momentum=momentum, start=start)
     raise ValueError(f"balancing solve: unknown impl {impl!r} (use 'xla' or 'pallas')")
