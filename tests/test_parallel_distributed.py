@@ -58,3 +58,23 @@ def test_two_processes_join_and_reduce_over_nodes_and_rails(tmp_path, monkeypatc
         assert (out["joined"], out["rank"], out["processes"], out["devices"], out["local"]) == (True, r, 2, 4, 2)
         assert out["shape"] == [4, 5] and out["total"] == want
         assert "over 4 cpu devices on 2 node(s) x 2" in out["mesh"], out["mesh"]
+
+
+class _Ended:
+    def __init__(self, code):
+        self.code = code
+
+    def poll(self):
+        return self.code
+
+
+def test_a_rank_that_died_is_named_before_one_that_aborted_after_it():
+    """Seen at the same poll: rank 0 aborted (the runtime's reaction to a lost peer), rank 1 was killed."""
+    import signal
+    group = ProcessGroup.__new__(ProcessGroup)
+    group.procs, group.failed = [_Ended(-signal.SIGABRT), _Ended(-signal.SIGKILL)], None
+    assert group.poll() == -signal.SIGKILL and group.failed == (1, -signal.SIGKILL)
+    group.procs, group.failed = [_Ended(-signal.SIGABRT), _Ended(None)], None
+    assert group.poll() == -signal.SIGABRT and group.failed == (0, -signal.SIGABRT)
+    group.procs, group.failed = [_Ended(None), _Ended(1), _Ended(-signal.SIGKILL)], None
+    assert group.poll() == 1 and group.failed == (1, 1)

@@ -85,12 +85,14 @@ class ProcessGroup:
 
     def poll(self) -> int | None:
         """None while the group runs; else its exit code: that of the first rank seen failing (negative: killed by
-        that signal), or 0 once every rank exited cleanly."""
+        that signal), or 0 once every rank exited cleanly. Among ranks first seen failed at the same poll, one that
+        aborted (SIGABRT) is named last: the distributed runtime aborts the ranks whose peer died, so the rank that
+        died otherwise is the cause."""
         codes = [p.poll() for p in self.procs]
         if self.failed is None:
-            bad = next(((r, c) for r, c in enumerate(codes) if c not in (None, 0)), None)
-            if bad is not None:
-                self.failed = bad
+            bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if bad:
+                self.failed = min(bad, key=lambda rc: (rc[1] == -signal.SIGABRT, rc[0]))
         if self.failed is not None:
             return self.failed[1]
         return 0 if all(c == 0 for c in codes) else None
