@@ -244,7 +244,8 @@ def per_layer(row, figure):
 def test_default_run_keeps_every_layer_balanced(tmp_path, capsys):
     """The must-have of a MoE run: from step 20 on, every layer's busiest expert gets at most 1.5x and its idlest
     at least 0.5x a uniform share (the controller before this rule: 8.0 and 0.0, one expert per layer), and
-    the solve leaves equal shares little to move."""
+    the solve leaves equal shares little to move; the learning rates follow the schedule and the gradient norms stay
+    near the clip norm."""
     rows = tiny_run_rows(str(tmp_path / "run"), 1.0)
     assert len(per_layer(rows[0], "max_load")) == preset("tiny").num_hidden_layers
     for row in rows[19:]:
@@ -253,6 +254,18 @@ def test_default_run_keeps_every_layer_balanced(tmp_path, capsys):
         assert max(per_layer(row, "skip_fraction")) == 0.0
         assert max(per_layer(row, "moved")) <= 0.05, row  # the solve balances; equal shares only finishes it
     assert rows[-1]["loss"] < rows[0]["loss"] - 2.0
+    # the optimizer's health: the rate each update used is the configured warmup-stable-decay over the run's 30
+    # steps (linear warmup, then the last decay_fraction of the steps falling linearly to zero), and once warmed up
+    # the gradient norm stays near the clip norm (13 at the first step, 0.6-1.2 from step 18 in this run)
+    optim = get_config().optim
+    warmup, decay = optim.warmup_steps, round(optim.decay_fraction * 30)
+    for row in rows:
+        update = row["step"] - 1  # the step's update is the schedule's step - 1
+        rate = update / warmup if update < warmup else 1.0 - min(max((update - (30 - decay)) / decay, 0.0), 1.0)
+        for group in ("lr_muon", "lr_adamw"):
+            assert row[group] == pytest.approx(optim.learning_rate * rate, rel=1e-5, abs=1e-9), row
+        assert np.isfinite(row["grad_norm"]), row
+    assert max(row["grad_norm"] for row in rows[19:]) <= 2.0 * optim.clip_norm, rows[19:]
     from launch import routing  # the per-layer table of the run's last logged step
     routing.main([str(tmp_path / "run")])
     table = capsys.readouterr().out.splitlines()
