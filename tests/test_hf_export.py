@@ -169,6 +169,17 @@ def test_export_into_a_training_run_or_its_source_is_refused(models, tmp_path):
                 convert_hf.main(argv)
         with pytest.raises(zaya_jax.ZayaCheckpointError, match="holds a training run"):
             zaya_jax.to_hf(models["tied"], target, overwrite=True)
+    # a folder inside the run: a checkpoint step (would read as a HF directory), a new one in checkpoints/ (would read
+    # as the latest step, unreadable), the run's tokenizer, a new folder beside them; relative paths too
+    for target in (run / "checkpoints" / "10", run / "checkpoints" / "hf", run / "tokenizer", run / "hf" / "final"):
+        with pytest.raises(SystemExit, match=f"^convert_hf: {target} is inside the training run {run}: export to a "
+                                             "directory outside it$"):
+            convert_hf.main([str(run), "--export", str(target)])
+        with pytest.raises(zaya_jax.ZayaCheckpointError, match="is inside the training run"):
+            zaya_jax.to_hf(models["tied"], os.path.relpath(target), overwrite=True)
+    project = tmp_path / "project"  # a checkpoints/ folder without a run record above the target: not a run
+    (project / "checkpoints").mkdir(parents=True)
+    assert (zaya_jax.to_hf(models["tied"], project / "exports" / "hf") / "config.json").is_file()
     assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before  # nothing written
 
     src = zaya_jax.to_hf(models["tied"], tmp_path / "src")

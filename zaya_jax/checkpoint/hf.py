@@ -185,14 +185,24 @@ def _is_training_run(directory: Path) -> bool:
             or (directory.name == "checkpoints" and (directory.parent / _RUN_RECORD).exists()))
 
 
+def _run_above(directory: Path) -> Path | None:
+    """The workdir of the training run `directory` lies inside (a run's folders belong to its trainer), if any: a
+    folder above it with the run record (a checkpoints/ folder alone is common in projects that are not runs)."""
+    return next((d for d in directory.absolute().parents if (d / _RUN_RECORD).is_file()), None)
+
+
 def check_export_target(path, *, source=None, overwrite: bool = False) -> Path:
-    """Refuses an export directory that would lose or corrupt data: a training run (its config.json would make the
-    run read as a HF directory), the directory `source` the model is read from, a file, or one holding weights
+    """Refuses an export directory that would lose or corrupt data: a training run or a folder inside one (its
+    config.json would make the run, or one of its checkpoints, read as a HF directory; a folder in checkpoints/
+    reads as an unreadable step), the directory `source` the model is read from, a file, or one holding weights
     without `overwrite`. Callers run it before loading the model, to fail at once; to_hf runs it again."""
     directory = Path(path)
     if _is_training_run(directory):
         raise ZayaCheckpointError(f"{directory} holds a training run (run.json, checkpoints/): export to another "
                                   "directory")
+    run = _run_above(directory)
+    if run is not None:
+        raise ZayaCheckpointError(f"{directory} is inside the training run {run}: export to a directory outside it")
     if source is not None and directory.exists() and Path(source).exists() and os.path.samefile(directory, source):
         raise ZayaCheckpointError(f"{directory} is the checkpoint being exported: export to another directory")
     if directory.exists() and not directory.is_dir():
