@@ -49,6 +49,35 @@ def test_values_that_cannot_work_are_refused_before_a_model_is_built(key, value,
         loop.run(c, str(tmp_path), log=lambda *_: None)
 
 
+def test_a_run_directory_that_would_mix_with_other_data_is_refused(tmp_path, monkeypatch):
+    """A file, a folder inside another run (its checkpoint step, a new folder in its checkpoints/, its tokenizer), a
+    Hugging Face directory: refused in one line before a model is built, nothing written."""
+    def built(*_, **__):
+        raise AssertionError("a model was built")
+
+    monkeypatch.setattr(loop, "build_train_program", built)
+    run = tmp_path / "run"
+    (run / "checkpoints" / "10").mkdir(parents=True)
+    (run / "run.json").write_text("{}\n")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}\n")
+    (hf / "model.safetensors").write_bytes(b"")
+    (tmp_path / "notes.txt").write_text("")
+    cases = [(tmp_path / "notes.txt", "is a file, not a directory"),
+             (run / "checkpoints" / "10", f"is inside the training run {run}: use a directory outside it"),
+             (run / "checkpoints" / "20", f"is inside the training run {run}"),
+             (run / "tokenizer", f"is inside the training run {run}"),
+             (hf, f"is a Hugging Face directory (config.json, model.safetensors): train in another directory, "
+                  f"starting from it with --config.train.init_from={hf}")]
+    before = sorted(map(str, tmp_path.rglob("*")))
+    for workdir, said in cases:
+        with pytest.raises(TrainConfigError) as e:
+            loop.run(get_config(), str(workdir), log=lambda *_: None)
+        assert str(e.value).startswith(f"run directory {workdir} {said}"), str(e.value)
+    assert sorted(map(str, tmp_path.rglob("*"))) == before
+
+
 def test_a_step_that_does_not_fit_in_memory_is_named(tmp_path, monkeypatch):
     def oom(*_, **__):
         raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 814477511424 bytes.\nmore")

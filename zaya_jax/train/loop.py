@@ -161,6 +161,7 @@ def run(config: ConfigDict, workdir: str, *, log=print) -> dict:
 
 def _run(config: ConfigDict, workdir: str, *, log, closers: list) -> dict:
     maybe_initialize()
+    run_record.check_workdir(workdir)
     os.makedirs(workdir, exist_ok=True)
     lead = jax.process_index() == 0
     log = log if lead else (lambda *_: None)

@@ -7,6 +7,7 @@ differs in anything but the settings below is refused in one line naming the dif
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -96,6 +97,28 @@ def _resumable(key: str) -> bool:
 
 def _changes(diffs) -> str:
     return ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in diffs)
+
+
+def check_workdir(workdir: str) -> None:
+    """Refuses a run directory that would mix the run with other data: a file, a folder inside another run (a run's
+    folders belong to its trainer: a new step-like folder in its checkpoints/ reads as its latest step), or a Hugging
+    Face directory (weights and config.json, no run record: a run starts from it with train.init_from)."""
+    from zaya_jax.train.errors import TrainConfigError
+
+    path = os.path.abspath(workdir)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise TrainConfigError(f"run directory {workdir} is a file, not a directory")
+    parent = os.path.dirname(path)
+    while parent != os.path.dirname(parent):
+        if exists(parent):
+            raise TrainConfigError(f"run directory {workdir} is inside the training run {parent}: use a directory "
+                                   "outside it")
+        parent = os.path.dirname(parent)
+    weights = glob.glob(os.path.join(glob.escape(path), "model*.safetensors"))
+    if not exists(path) and weights and os.path.isfile(os.path.join(path, "config.json")):
+        raise TrainConfigError(f"run directory {workdir} is a Hugging Face directory (config.json, "
+                               f"{os.path.basename(sorted(weights)[0])}): train in another directory, starting from "
+                               f"it with --config.train.init_from={workdir}")
 
 
 def ensure(config: ConfigDict, workdir: str, *, resuming: bool, write: bool = True, log=print) -> dict:
