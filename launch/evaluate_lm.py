@@ -53,6 +53,8 @@ def main(argv=None):
     from zaya_jax.inference.loading import matmul_precision
 
     tasks = args.tasks.split(",")
+    if args.include_path and not os.path.isdir(args.include_path):
+        raise UsageError(f"--include-path {args.include_path} is not a directory (a folder of task YAML files)")
     manager = task_manager(TaskManager, args)
     unknown = [t for t in tasks if not manager.match_tasks([t]) and not os.path.exists(t)]
     if unknown:

@@ -107,6 +107,9 @@ def test_argparse_commands_report_mistakes_in_one_line(tmp_path, capsys, monkeyp
                   "launch.generate", "--max-new-tokens")
     one_line_exit(capsys, evaluate_lm.main, ["--checkpoint", str(tmp_path), "--tasks", "no_such_task"],
                   "launch.evaluate_lm", "unknown task no_such_task")
+    one_line_exit(capsys, evaluate_lm.main, ["--checkpoint", str(tmp_path), "--tasks", "zaya_toy_mc",
+                                             "--include-path", str(tmp_path / "nope")],
+                  "launch.evaluate_lm", "--include-path", "is not a directory")
     (tmp_path / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "routing/max_load/layer_00": 1.0}}\n'
                                                     for s in (10, 20, 30)))
     one_line_exit(capsys, routing.main, [str(tmp_path), "--step", "7"], "launch.routing", "at step 7",

@@ -119,6 +119,8 @@ def test_cli_writes_dataset_and_reports_errors(tmp_path, capsys):
     assert "2 documents" in capsys.readouterr().out
     assert prepare_main([str(tmp_path / "nope.txt"), "--output-prefix", out]) == 1
     assert "no such input file" in capsys.readouterr().err
+    assert prepare_main([str(tmp_path), "--output-prefix", out]) == 1
+    assert f"{tmp_path} is a directory: name its files" in capsys.readouterr().err
 
 
 def test_cli_refuses_to_overwrite_its_input_and_counts_invalid_utf8(tmp_path, capsys):

@@ -43,6 +43,8 @@ def iter_documents(paths: Sequence[str], fmt: str = "auto", *, text_key: str = "
     if fmt not in FORMATS:
         raise DataError(f"unknown input format {fmt!r} (choose from {FORMATS})")
     for path in paths:
+        if os.path.isdir(path):
+            raise DataError(f"{path} is a directory: name its files")
         if not os.path.isfile(path):
             raise DataError(f"{path}: no such input file")
         kind = detect_format(path) if fmt == "auto" else fmt
