@@ -10,9 +10,9 @@ python -m benchmarks.profile_routing [--out FILE.json] [--preset tiny: a smoke t
 
 from __future__ import annotations
 
+import argparse
 import glob
 import json
-import sys
 import tempfile
 
 import jax
@@ -44,7 +44,8 @@ def profile(grad, state, batch) -> dict:
         jax.block_until_ready(out)
     text = compiled.as_text()
     pd = jax.profiler.ProfileData.from_file(glob.glob(f"{logdir}/plugins/profile/*/*.xplane.pb")[0])
-    b = breakdown(pd, hlo_op_names(text), CALLS, gpu=jax.default_backend() == "gpu", forward_only=False, sources=hlo_sources(text))
+    b = breakdown(pd, hlo_op_names(text), CALLS, gpu=jax.default_backend() == "gpu", forward_only=False,
+                  sources=hlo_sources(text))
     routing = {k: t for k, t in b["top_sources_ms"] if any(f in k for f in ROUTING_FILES)}
     gaps = b.get("busiest_stream", {})
     return {"kernel_ms": round(b["kernel_ms_per_step"], 3), "idle_ms": round(gaps.get("idle_ms_per_call", 0), 3),
@@ -52,11 +53,15 @@ def profile(grad, state, batch) -> dict:
             "routing_sources_ms": routing, "sources_ms": dict(b["top_sources_ms"])}
 
 
-def main():
+def main(argv=None):
     config = get_config()
-    name = sys.argv[sys.argv.index("--preset") + 1] if "--preset" in sys.argv else config.model.preset
-    cfg = preset(name, **dict(config.model.overrides))
-    seq = 4096 if name == config.model.preset else 256
+    ap = argparse.ArgumentParser(prog="benchmarks.profile_routing", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None, help="write the figures here (JSON), re-written as each mode ends")
+    ap.add_argument("--preset", default=config.model.preset, choices=[config.model.preset, "tiny"],
+                    help="'tiny': a smoke test on 2 x 256 tokens")
+    args = ap.parse_args(argv)
+    cfg = preset(args.preset, **dict(config.model.overrides))
+    seq = 4096 if args.preset == config.model.preset else 256
     ceiling = gemm_ceiling_tflops(8192)
     print(f"bf16 GEMM ceiling {ceiling:.0f} TFLOP/s", flush=True)
     _, params, model_state = nnx.split(ZayaForCausalLM(cfg, seed=0), nnx.Param, BalancingBias)
@@ -74,19 +79,20 @@ def main():
               f"{m['routing_ms']} ms", flush=True)
         for k, t in list(m["routing_sources_ms"].items())[:12]:
             print(f"    {t:8.3f}  {k}")
-        save(modes, ceiling)  # each mode as it finishes: a run cut short keeps what it measured
+        save(args.out, modes, ceiling)  # each mode as it finishes: a run cut short keeps what it measured
     on, off = modes["controller"]["sources_ms"], modes["off"]["sources_ms"]
     diff = sorted(((on.get(k, 0) - off.get(k, 0), k) for k in set(on) | set(off)), key=lambda d: -abs(d[0]))[:25]
     print("largest differences, controller - off (ms per microbatch):")
     for d, k in diff:
         print(f"    {d:+8.3f}  {k}")
-    save(modes, ceiling, differences=[[k, round(d, 3)] for d, k in diff])
+    save(args.out, modes, ceiling, differences=[[k, round(d, 3)] for d, k in diff])
 
 
-def save(modes: dict, ceiling: float, **extra):
-    if "--out" in sys.argv:
-        json.dump(dict(device=jax.devices()[0].device_kind, gemm_ceiling_tflops=round(ceiling), modes=modes, **extra),
-                  open(sys.argv[sys.argv.index("--out") + 1], "w"), indent=1)
+def save(out: str | None, modes: dict, ceiling: float, **extra):
+    if out:
+        with open(out, "w") as f:
+            json.dump(dict(device=jax.devices()[0].device_kind, gemm_ceiling_tflops=round(ceiling), modes=modes,
+                           **extra), f, indent=1)
 
 
 if __name__ == "__main__":
