@@ -10,6 +10,7 @@ printed first (the machine's state in this run).
 
 python -m benchmarks.bench_routing_solve [--out FILE.json] [--baseline FILE ...] [--equal-shares-only]"""
 
+import argparse
 import collections
 import contextlib
 import importlib.util
@@ -88,34 +89,48 @@ def device_time(f, *args, calls: int = 5) -> dict:
 
 
 default_chunk = kernel.CHUNK
-ceiling = gemm_ceiling_tflops(1024 if jax.default_backend() == "cpu" else 8192)
-print(f"bf16 GEMM ceiling {ceiling:.0f} TFLOP/s", flush=True)
-baselines = [sys.argv[i + 1] for i, a in enumerate(sys.argv) if a == "--baseline"]
-rows, reference = [], None
-variants = [("pallas", None, None, None)] + [("pallas", 2048, warps, None) for warps in (2, 4, 16)] + [
-    ("pallas", 512, 4, None)]
-if baselines:  # interleaved with this version's default
-    variants = [("pallas", None, None, b) for b in baselines + [None]] * 2 + variants[1:]
-solves = [("xla", None, None, None)] + variants + [("xla", None, None, None)]
-for impl, chunk, warps, module in [] if "--equal-shares-only" in sys.argv else solves:
-    try:
-        us, delta = time_solve(impl, chunk, warps, module)
-    except Exception as err:  # a variant Triton cannot compile (registers) is reported, not fatal
-        rows.append(dict(impl=impl, chunk=chunk, warps=warps, error=str(err)[:300]))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="benchmarks.bench_routing_solve", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None, help="write the rows here (JSON)")
+    ap.add_argument("--baseline", action="append", default=[], help="another version of "
+                    "pallas_kernels/balancing_solve.py, timed interleaved with this one (may repeat)")
+    ap.add_argument("--equal-shares-only", action="store_true", help="time equal shares alone")
+    args = ap.parse_args(argv)
+    ceiling = gemm_ceiling_tflops(1024 if jax.default_backend() == "cpu" else 8192)
+    print(f"bf16 GEMM ceiling {ceiling:.0f} TFLOP/s", flush=True)
+    baselines = args.baseline
+    rows, reference = [], None
+    variants = [("pallas", None, None, None)] + [("pallas", 2048, warps, None) for warps in (2, 4, 16)] + [
+        ("pallas", 512, 4, None)]
+    if baselines:  # interleaved with this version's default
+        variants = [("pallas", None, None, b) for b in baselines + [None]] * 2 + variants[1:]
+    solves = [("xla", None, None, None)] + variants + [("xla", None, None, None)]
+    for impl, chunk, warps, module in [] if args.equal_shares_only else solves:
+        try:
+            us, delta = time_solve(impl, chunk, warps, module)
+        except Exception as err:  # a variant Triton cannot compile (registers) is reported, not fatal
+            rows.append(dict(impl=impl, chunk=chunk, warps=warps, error=str(err)[:300]))
+            print(rows[-1], flush=True)
+            continue
+        reference = delta if reference is None else reference
+        rows.append(dict(impl=impl, chunk=chunk, warps=warps, module=module, rounds=rs.SOLVE_ROUNDS, tokens=rs.SOLVE_TOKENS,
+                         us_per_solve=round(us, 1), ms_per_step=round(us * CALLS_PER_STEP / 1e3, 2),
+                         max_abs_diff_vs_xla=float(np.abs(delta - reference).max())))
         print(rows[-1], flush=True)
-        continue
-    reference = delta if reference is None else reference
-    rows.append(dict(impl=impl, chunk=chunk, warps=warps, module=module, rounds=rs.SOLVE_ROUNDS, tokens=rs.SOLVE_TOKENS,
-                     us_per_solve=round(us, 1), ms_per_step=round(us * CALLS_PER_STEP / 1e3, 2),
-                     max_abs_diff_vs_xla=float(np.abs(delta - reference).max())))
-    print(rows[-1], flush=True)
-xla = [r["us_per_solve"] for r in rows if r["impl"] == "xla"]
-for r in rows:
-    if "us_per_solve" in r:
-        r["xla_over_this"] = round(np.median(xla) / r["us_per_solve"], 3)
-for impl in ("xla", "pallas", "xla", "pallas"):
-    rows.append(time_equal_shares(impl))
-    print(rows[-1], flush=True)
-if "--out" in sys.argv:
-    json.dump(dict(device=jax.devices()[0].device_kind, shape=[N, E], gemm_ceiling_tflops=round(ceiling), rows=rows),
-              open(sys.argv[sys.argv.index("--out") + 1], "w"), indent=1)
+    xla = [r["us_per_solve"] for r in rows if r["impl"] == "xla"]
+    for r in rows:
+        if "us_per_solve" in r:
+            r["xla_over_this"] = round(np.median(xla) / r["us_per_solve"], 3)
+    for impl in ("xla", "pallas", "xla", "pallas"):
+        rows.append(time_equal_shares(impl))
+        print(rows[-1], flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(device=jax.devices()[0].device_kind, shape=[N, E], gemm_ceiling_tflops=round(ceiling),
+                           rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -15,6 +15,7 @@ tokens equal shares move.
 
 from __future__ import annotations
 
+import argparse
 import glob
 import json
 import os
@@ -51,15 +52,19 @@ def outcome(scores, valid, delta):
     return counts.max() / valid.sum() * experts, (moved & valid).sum() / valid.sum()
 
 
-def main():
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="benchmarks.warm_start_study", description=__doc__.split("\n\n")[0])
+    ap.add_argument("dumps", help="a folder of benchmarks.routing_probe dumps (step_SSS_layer_L.npz)")
+    ap.add_argument("--out", default=None, help="write the summary and every forward's figures here (JSON)")
+    args = ap.parse_args(argv)
     variants = {"full solve (24 rounds, median start)": lambda s, v: rs.balancing_correction(s, v, "xla")}
     for start in ("stored", "median"):
         variants.update({f"{start} start + {r} rounds": (lambda r, a: jax.jit(lambda s, v: rounds_from(s, v, r, a)))(
             r, start) for r in WARM_ROUNDS if r or start == "stored"})
     rows = {name: {"first": [], "later": []} for name in variants}
-    files = sorted(glob.glob(os.path.join(sys.argv[1], "step_*_layer_*.npz")))
+    files = sorted(glob.glob(os.path.join(args.dumps, "step_*_layer_*.npz")))
     if not files:
-        sys.exit(f"warm_start_study: no step_SSS_layer_L.npz dumps in {sys.argv[1]}")
+        sys.exit(f"warm_start_study: no step_SSS_layer_L.npz dumps in {args.dumps}")
     for path in files:
         step, layer = map(int, re.findall(r"\d+", os.path.basename(path)))
         dump = np.load(path)
@@ -78,9 +83,9 @@ def main():
                                    "moved_median": round(float(np.median(moved)), 4),
                                    "moved_max": round(float(moved.max()), 4)}
             print(f"{name:40s} {part:6s} {summary[name][part]}", flush=True)
-    if "--out" in sys.argv:
-        json.dump({"dumps": sys.argv[1], "summary": summary, "per_forward": rows},
-                  open(sys.argv[sys.argv.index("--out") + 1], "w"), indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"dumps": args.dumps, "summary": summary, "per_forward": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
