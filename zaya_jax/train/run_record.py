@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import shutil
+from pathlib import Path
 
 from ml_collections import ConfigDict
 
@@ -108,12 +109,9 @@ def check_workdir(workdir: str) -> None:
     path = os.path.abspath(workdir)
     if os.path.exists(path) and not os.path.isdir(path):
         raise TrainConfigError(f"run directory {workdir} is a file, not a directory")
-    parent = os.path.dirname(path)
-    while parent != os.path.dirname(parent):
-        if exists(parent):
-            raise TrainConfigError(f"run directory {workdir} is inside the training run {parent}: use a directory "
-                                   "outside it")
-        parent = os.path.dirname(parent)
+    run = next((str(d) for d in Path(path).parents if exists(str(d))), None)
+    if run is not None:
+        raise TrainConfigError(f"run directory {workdir} is inside the training run {run}: use a directory outside it")
     weights = glob.glob(os.path.join(glob.escape(path), "model*.safetensors"))
     if not exists(path) and weights and os.path.isfile(os.path.join(path, "config.json")):
         raise TrainConfigError(f"run directory {workdir} is a Hugging Face directory (config.json, "
