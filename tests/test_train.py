@@ -4,6 +4,7 @@ cross-entropy, the trainer's side of the supervisor's contract (skipped data, in
 Resuming on fewer devices: tests/test_parallel_train.py (8 -> 4, 1 x 2 context, 1)."""
 
 import json
+import re
 import os
 import shutil
 
@@ -13,7 +14,7 @@ import pytest
 
 from configs.default import get_config
 from zaya_jax.fault.control import CONTROL, HEARTBEAT, read_json, write_json_atomic
-from zaya_jax.train.loop import EXIT_NONFINITE, run
+from zaya_jax.train.loop import EXIT_NONFINITE, TrainConfigError, run
 
 
 def small_config(**train):
@@ -94,11 +95,32 @@ def test_gradient_accumulation_equals_a_larger_batch(straight, tmp_path):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
 
 
+def test_init_from_takes_a_runs_latest_step_or_the_step_whose_folder_is_named(straight, tmp_path):
+    from zaya_jax.checkpoint.manager import CheckpointError, restore_subset
+    from zaya_jax.train.init_from import _orbax_source
+    first, _ = straight
+    checkpoints = os.path.join(first, "checkpoints")
+    assert _orbax_source(first) == (checkpoints, None) and _orbax_source(checkpoints) == (checkpoints, None)
+    assert _orbax_source(os.path.join(checkpoints, "4")) == (os.path.abspath(checkpoints), 4)
+    unfinished = tmp_path / "copy" / "checkpoints" / "9"  # a step folder whose save never finished
+    shutil.copytree(first, tmp_path / "copy")
+    unfinished.mkdir()
+    c = small_config(steps=1)
+    with pytest.raises(CheckpointError, match=re.escape(f"no finished checkpoint for step 99 in {checkpoints} (have "
+                                                        "[1, 2, 3, 4, 5, 6])")):
+        restore_subset(checkpoints, {}, step=99)
+    for source, said in ((unfinished, "checkpoints step 9 cannot be read ("),
+                         (os.path.join(checkpoints, "9"), ": no such directory (a run, one of its checkpoint steps, ")):
+        c.train.init_from = str(source)
+        with pytest.raises((CheckpointError, TrainConfigError), match=re.escape(said)):
+            run(c, str(tmp_path / "refused"), log=lambda *_: None)
+
+
 def test_next_phase_starts_from_the_previous_weights_on_another_mesh(straight, tmp_path):
     import orbax.checkpoint as ocp
-    first, _ = straight  # phase A: its latest checkpoint is step 6
+    first, _ = straight  # phase A: a checkpoint after each of its 6 steps; this phase starts from step 4's
     c = small_config(steps=1, checkpoint_every=1)
-    c.train.init_from = first
+    c.train.init_from = os.path.join(first, "checkpoints", "4")
     c.mesh.num_devices = 2
     c.model.overrides.rope = {"hybrid": {"theta": 1e6, "partial_rotary_factor": 0.5}}  # phase-3 style change
     c.optim.learning_rate = 0.0  # so the saved weights must equal phase A's
@@ -106,7 +128,7 @@ def test_next_phase_starts_from_the_previous_weights_on_another_mesh(straight, t
     run(c, second, log=lambda *_: None)
     read = lambda d, s: ocp.CheckpointManager(os.path.join(d, "checkpoints")).restore(  # noqa: E731
         s, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
-    a, b = read(first, 6), read(second, 1)
+    a, b = read(first, 4), read(second, 1)
     for x, y in zip(jax.tree.leaves(a["params"]), jax.tree.leaves(b["params"])):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 

@@ -1,6 +1,6 @@
-"""train.init_from: a new run's parameters and balancing biases from a previous run (Orbax, any device count) or
-from a Hugging Face ZAYA directory (config.json + safetensors: fine-tuning a released model). The optimizer state
-and the data position start fresh."""
+"""train.init_from: a new run's parameters and balancing biases from a previous run (Orbax, any device count: its
+latest step, or the step whose folder is named) or from a Hugging Face ZAYA directory (config.json + safetensors:
+fine-tuning a released model). The optimizer state and the data position start fresh."""
 
 from __future__ import annotations
 
@@ -21,15 +21,29 @@ _MAY_DIFFER = ("pad_token_id", "bos_token_id", "eos_token_id", "max_position_emb
 def initialize_from(src: str, state: dict, cfg: ModelConfig, *, log=print) -> dict:
     """`state` with params and model_state replaced by those of `src`, laid out with `state`'s shardings."""
     from zaya_jax.inference.loading import is_hf_directory
+    from zaya_jax.train.errors import TrainConfigError
 
+    if not os.path.isdir(src):
+        raise TrainConfigError(f"train.init_from={src}: no such directory (a run, one of its checkpoint steps, or a "
+                               "Hugging Face directory)")
     if is_hf_directory(src):
         loaded = _from_hf(src, state, cfg, log)
         return {**state, **loaded}
-    src = os.path.join(src, "checkpoints") if os.path.isdir(os.path.join(src, "checkpoints")) else src
+    src, step = _orbax_source(src)
     subset = {k: state[k] for k in ("params", "model_state")}
-    step0, loaded = restore_subset(src, abstract_like(subset))
+    step0, loaded = restore_subset(src, abstract_like(subset), step=step)
     log(f"initialised parameters and balancing biases from {src} step {step0} (fresh optimizer and data)")
     return {**state, **loaded}
+
+
+def _orbax_source(src: str) -> tuple[str, int | None]:
+    """(the folder of numbered checkpoints, the step): a run's workdir or its checkpoints/ folder give the latest
+    step, the folder of one step in checkpoints/ gives that step."""
+    parent, name = os.path.split(os.path.abspath(src))
+    if name.isdigit() and os.path.basename(parent) == "checkpoints":
+        return parent, int(name)
+    child = os.path.join(src, "checkpoints")
+    return (child if os.path.isdir(child) else src), None
 
 
 def _from_hf(src: str, state: dict, cfg: ModelConfig, log) -> dict:
