@@ -98,3 +98,5 @@ def test_an_unreadable_latest_step_falls_back_like_training(tmp_path, capsys):
     for a, b in zip(jax.tree.leaves(nnx.state(good, nnx.Param)), jax.tree.leaves(nnx.state(loaded, nnx.Param))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert os.path.isdir(tmp_path / "checkpoints" / "5")  # a reader leaves the run directory alone
+    with pytest.raises(CheckpointError, match=f"{tmp_path / 'checkpoints'} step 5 cannot be read"):
+        load_model(tmp_path, step=5)  # asked for by number: no other step stands in

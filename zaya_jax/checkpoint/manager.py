@@ -35,6 +35,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used: missing, unfinished, or written for another model."""
 
 
+class UnreadableCheckpointError(CheckpointError):
+    """A step whose files cannot be read (an unfinished, truncated or damaged save): a reader of a run's latest step
+    falls back to the step before it."""
+
+
 @dataclasses.dataclass
 class Restored:
     step: int
@@ -113,7 +118,8 @@ class CheckpointManager:
                 raise
             except Exception as e:  # unreadable files: a corrupt or truncated checkpoint
                 if i + 1 == len(candidates):
-                    raise CheckpointError(f"checkpoint {self.directory} step {s} cannot be read: {_reason(e)}") from e
+                    raise UnreadableCheckpointError(f"checkpoint {self.directory} step {s} cannot be read: "
+                                                    f"{_reason(e)}") from e
                 moved = f"; moved to {self._set_aside(s)}" if set_aside else ""
                 log(f"checkpoint {self.directory} step {s} cannot be read ({type(e).__name__}: {_reason(e)})"
                     f"{moved}; falling back to step {candidates[i + 1]}")
@@ -157,7 +163,15 @@ def restore_subset(directory: str, abstract_subset: dict, *, step: int | None = 
     step = mngr.latest_step() if step is None else step
     if step is None:
         raise CheckpointError(f"no finished checkpoint in {directory}")
-    saved = ocp.PyTreeCheckpointer().metadata(os.path.join(mngr.directory, str(step), "state")).item_metadata
+    if step not in mngr.all_steps():
+        raise CheckpointError(f"no finished checkpoint for step {step} in {directory} (have "
+                              f"{sorted(mngr.all_steps())})")
+    try:
+        saved = ocp.PyTreeCheckpointer().metadata(os.path.join(mngr.directory, str(step), "state")).item_metadata
+    except Exception as e:  # a step folder without readable metadata: an unfinished or damaged save
+        raise UnreadableCheckpointError(f"{directory} step {step} cannot be read ({_reason(e)})") from e
+    if saved is None:
+        raise UnreadableCheckpointError(f"{directory} step {step} cannot be read (it holds no saved state)")
     for path, want in jax.tree_util.tree_flatten_with_path(abstract_subset)[0]:
         node = saved
         for k in path:

@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
 from zaya_jax.checkpoint.hf import CONFIG_FILE, from_hf
-from zaya_jax.checkpoint.manager import CheckpointError, restore_subset
+from zaya_jax.checkpoint.manager import CheckpointError, UnreadableCheckpointError, restore_subset
 from zaya_jax.config import PARAM_DTYPES, ModelConfig
 from zaya_jax.model import ZayaForCausalLM
 from zaya_jax.model.base import BalancingBias
@@ -81,21 +81,29 @@ def load_orbax(path, *, dtype: str = "float32", step: int | None = None, log=Non
     evaluation do (it is not moved: readers leave the run directory as it is). `log`: default stderr."""
     directory = orbax_directory(path)
     if step is not None:
-        return _load_orbax_step(directory, step, dtype, overrides)
+        try:
+            return _load_orbax_step(directory, step, dtype, overrides)
+        except CheckpointError:
+            raise
+        except Exception as e:  # the step asked for is unreadable: no other step stands in for it
+            raise UnreadableCheckpointError(f"checkpoint {directory} step {step} cannot be read: {e}") from e
     steps = sorted(ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True)).all_steps())
     if not steps:
         raise CheckpointError(f"no finished checkpoint in {directory}")
     for i, s in enumerate(reversed(steps)):
         try:
             return _load_orbax_step(directory, s, dtype, overrides)
-        except CheckpointError:
-            raise
+        except CheckpointError as e:
+            if not isinstance(e, UnreadableCheckpointError):  # e.g. written for another model: no fallback
+                raise
+            error = e
         except Exception as e:  # unreadable files: a corrupt or truncated checkpoint
-            if i + 1 == len(steps):
-                raise CheckpointError(f"checkpoint {directory} step {s} cannot be read: {e}") from e
-            (log or (lambda m: print(m, file=sys.stderr)))(
-                f"checkpoint {directory} step {s} cannot be read ({type(e).__name__}: {str(e)[:200]}); falling "
-                f"back to step {steps[-i - 2]}")
+            error = e
+        if i + 1 == len(steps):
+            raise UnreadableCheckpointError(f"checkpoint {directory} step {s} cannot be read: {error}") from error
+        (log or (lambda m: print(m, file=sys.stderr)))(
+            f"checkpoint {directory} step {s} cannot be read ({type(error).__name__}: {str(error)[:200]}); falling "
+            f"back to step {steps[-i - 2]}")
 
 
 def _load_orbax_step(directory: str, step: int, dtype: str, overrides: dict) -> ZayaForCausalLM:
