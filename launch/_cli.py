@@ -71,10 +71,17 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see --help)")
 
 
-def _root_cause(e: BaseException) -> BaseException:
+def _causes(e: BaseException):
+    """e, then what it was raised from or during, down to the first error."""
+    yield e
     while e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__):
         e = e.__cause__ or e.__context__
-    return e
+        yield e
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    *_, root = _causes(e)
+    return root
 
 
 def _unknown_field(field: str, argv) -> str | None:
@@ -100,6 +107,9 @@ def flag_errors(name: str, argv=None):
     except (SystemExit, KeyboardInterrupt):
         raise
     except Exception as e:
+        user = next((x for x in _causes(e) if is_user_error(x)), None)
+        if user is not None:  # e.g. a damaged run record read for a resume: its own message says what is wrong
+            fail(name, one_line(user))
         root = _root_cause(e)
         if isinstance(root, OSError):  # a config file that did not load: its last line names the reason
             message = str(root).strip().splitlines()[-1]

@@ -2,6 +2,7 @@
 that cannot work are refused before a model is built; the supervisor shows its options and says why it stopped."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ import pytest
 
 from configs.default import get_config
 from benchmarks import characterize, size_model
-from launch import evaluate_lm, generate, prepare_data, routing, supervise
+from launch import convert_hf, evaluate_lm, generate, prepare_data, routing, supervise
 from launch._cli import EXIT_INTERRUPTED, EXIT_USER_ERROR, user_errors
 from zaya_jax.fault.supervisor import Supervisor, SupervisorConfig
 from zaya_jax.train import loop
@@ -140,6 +141,25 @@ def test_train_reports_a_missing_config_a_bad_flag_and_a_bad_value_in_one_line(a
     assert p.returncode == EXIT_USER_ERROR, p.stderr
     lines = [line for line in p.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and all(w in lines[0] for w in words), p.stderr
+
+
+def test_a_damaged_run_record_is_named_in_one_line(tmp_path, capsys):
+    """run.json cut short: the resume, the export and the library's reader name the file (not 'bad command line', not
+    a JSONDecodeError traceback); a JSON file that is no run record likewise."""
+    from zaya_jax.train import run_record
+    (tmp_path / "run.json").write_text('{"config": {"model"')
+    (tmp_path / "checkpoints").mkdir()
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    p = subprocess.run([sys.executable, "-m", "launch.train", "--workdir", str(tmp_path)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == EXIT_USER_ERROR and len(lines) == 1, p.stderr
+    assert lines[0].startswith(f"launch.train: {tmp_path / 'run.json'} is damaged (Expecting "), lines[0]
+    with pytest.raises(SystemExit, match=re.escape(f"convert_hf: {tmp_path / 'run.json'} is damaged (Expecting ")):
+        convert_hf.main([str(tmp_path), "--export", str(tmp_path.parent / "export")])
+    (tmp_path / "run.json").write_text('["not", "a", "record"]')
+    with pytest.raises(TrainConfigError, match="is not a run record"):
+        run_record.read(str(tmp_path))
 
 
 def test_supervise_help_lists_its_options(capsys):

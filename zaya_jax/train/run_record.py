@@ -41,8 +41,21 @@ def exists(workdir: str) -> bool:
 
 
 def read(workdir: str) -> dict:
-    with open(record_path(workdir)) as f:
-        return json.load(f)
+    """The run record; a damaged one (cut short, edited) is named in one line."""
+    from zaya_jax.train.errors import TrainConfigError
+
+    path = record_path(workdir)
+    try:
+        with open(path, "rb") as f:
+            record = json.loads(f.read())
+    except ValueError as e:  # JSON or UTF-8 errors
+        raise TrainConfigError(f"{path} is damaged ({e}): restore it from a copy, or move it away and start the run "
+                               "again with --config") from e
+    if not isinstance(record, dict) or not isinstance(record.get("config"), dict) or not isinstance(
+            record.get("tokenizer"), dict):
+        raise TrainConfigError(f"{path} is not a run record (no config and tokenizer): restore it from a copy, or "
+                               "move it away and start the run again with --config")
+    return record
 
 
 def run_directory(path: str) -> str:
