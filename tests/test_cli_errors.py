@@ -79,6 +79,23 @@ def test_a_run_directory_that_would_mix_with_other_data_is_refused(tmp_path, mon
     assert sorted(map(str, tmp_path.rglob("*"))) == before
 
 
+def test_a_train_state_larger_than_the_machine_is_refused_before_it_exists(tmp_path, monkeypatch):
+    """The 8B config on a small CPU machine: refused in one line on the state's abstract shapes (the default run's
+    state against a machine of 1 MiB here), not swapped or killed by the OS."""
+    from zaya_jax.train import program, state_memory
+
+    def created(*_, **__):
+        raise AssertionError("the state was created")
+
+    monkeypatch.setattr(state_memory, "host_available_bytes", lambda: 2 ** 20)
+    monkeypatch.setattr(program.jax, "jit", created)
+    with pytest.raises(TrainConfigError, match=r"^the train state needs 0\.[0-9] GiB \(parameters 0\.[0-9] GiB, the rest "
+                                               r"optimizer state\) but this machine's available memory is 0\.0 GiB: "):
+        loop.run(get_config(), str(tmp_path), log=lambda *_: None)
+    monkeypatch.undo()
+    assert state_memory.host_available_bytes() > 2 ** 20  # the real probe reads this machine's /proc/meminfo
+
+
 def test_a_step_that_does_not_fit_in_memory_is_named(tmp_path, monkeypatch):
     def oom(*_, **__):
         raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 814477511424 bytes.\nmore")

@@ -28,6 +28,7 @@ from zaya_jax.parallel.mesh import describe_mesh, make_mesh
 from zaya_jax.parallel.sharding import (combine_threshold_options, describe_optimizer_memory, state_shardings, zero1,
                                          zero1_spec_fn, zero_axes)
 from zaya_jax.train.options import BatchRamp, RunOptions, run_options
+from zaya_jax.train.state_memory import check_state_fits
 from zaya_jax.train.step_options import check_on_mesh, context_parallel, pallas_settings, step_options
 from zaya_jax.train.step import make_accumulating_train_step, make_local_loss_sums
 
@@ -157,6 +158,7 @@ def build_train_program(config: ConfigDict, *, log=print, init: bool = True, tx=
     shapes = jax.eval_shape(create)
     shardings = state_shardings(shapes, mesh, zero1=par.zero1)
     abstract = abstract_like(shapes, shardings)
+    check_state_fits(abstract, mesh)  # before any of it exists
     state = jax.jit(create, out_shardings=shardings)() if init else None
     log(describe_optimizer_memory(state["opt_state"] if init else abstract["opt_state"], mesh))
     step = _train_step(plan, mesh, graphdef, tx, shardings, log)
