@@ -53,6 +53,9 @@ def main(argv=None):
     from zaya_jax.inference.loading import matmul_precision
 
     tasks = args.tasks.split(",")
+    for flag, path in (("--output", args.output), ("--samples", args.samples)):
+        if path:  # checked before the evaluation runs, which on the full model takes minutes
+            prepare_output_file(flag, path)
     if args.include_path and not os.path.isdir(args.include_path):
         raise UsageError(f"--include-path {args.include_path} is not a directory (a folder of task YAML files)")
     manager = task_manager(TaskManager, args)
@@ -84,6 +87,16 @@ def main(argv=None):
                 for sample in samples:
                     f.write(json.dumps({"task": task, **sample}, default=str) + "\n")
     return out["results"]
+
+
+def prepare_output_file(flag: str, path: str) -> None:
+    """A results file's folder is created now; a folder in its place, or one that cannot be created, is refused."""
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path} is a directory: name a file")
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: its folder cannot be created ({e.strerror})") from e
 
 
 def task_manager(TaskManager, args):

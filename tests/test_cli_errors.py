@@ -89,8 +89,9 @@ def test_a_train_state_larger_than_the_machine_is_refused_before_it_exists(tmp_p
 
     monkeypatch.setattr(state_memory, "host_available_bytes", lambda: 2 ** 20)
     monkeypatch.setattr(program.jax, "jit", created)
-    with pytest.raises(TrainConfigError, match=r"^the train state needs 0\.[0-9] GiB \(parameters 0\.[0-9] GiB, the rest "
-                                               r"optimizer state\) but this machine's available memory is 0\.0 GiB: "):
+    with pytest.raises(TrainConfigError, match=r"^the train state needs 0\.[0-9] GiB \(parameters 0\.[0-9] GiB, the "
+                                               r"rest optimizer state\) but this machine's available memory is "
+                                               r"0\.0 GiB: "):
         loop.run(get_config(), str(tmp_path), log=lambda *_: None)
     monkeypatch.undo()
     assert state_memory.host_available_bytes() > 2 ** 20  # the real probe reads this machine's /proc/meminfo
@@ -128,6 +129,13 @@ def test_argparse_commands_report_mistakes_in_one_line(tmp_path, capsys, monkeyp
     one_line_exit(capsys, evaluate_lm.main, ["--checkpoint", str(tmp_path), "--tasks", "zaya_toy_mc",
                                              "--include-path", str(tmp_path / "nope")],
                   "launch.evaluate_lm", "--include-path", "is not a directory")
+    one_line_exit(capsys, evaluate_lm.main, ["--checkpoint", str(tmp_path), "--tasks", "zaya_toy_mc", "--output",
+                                             str(tmp_path)], "launch.evaluate_lm",
+                  f"--output {tmp_path} is a directory")
+    (tmp_path / "file").write_text("")  # a results file below a file: its folder cannot be created
+    one_line_exit(capsys, evaluate_lm.main, ["--checkpoint", str(tmp_path), "--tasks", "zaya_toy_mc", "--samples",
+                                             str(tmp_path / "file" / "s.jsonl")], "launch.evaluate_lm",
+                  "--samples", "its folder cannot be created")
     (tmp_path / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "routing/max_load/layer_00": 1.0}}\n'
                                                     for s in (10, 20, 30)))
     one_line_exit(capsys, routing.main, [str(tmp_path), "--step", "7"], "launch.routing", "at step 7",

@@ -114,9 +114,9 @@ def test_evaluate_lm_cli_on_an_exported_checkpoint(model, direct_mc, offline_dat
     limit = 8
     results = evaluate_lm.main(["--checkpoint", str(checkpoint), "--tokenizer", "byte", "--tasks", "zaya_toy_mc",
                                 "--include-path", TASK_DIR, "--limit", str(limit), "--max-length", "64",
-                                "--output", str(tmp_path / "results.json")])
+                                "--output", str(tmp_path / "new" / "results.json")])  # its folder is created
     assert results["zaya_toy_mc"]["acc,none"] == pytest.approx(np.mean([d[0] for d in direct_mc[:limit]]))
-    assert json.loads((tmp_path / "results.json").read_text())["zaya_toy_mc"]["acc,none"] == \
+    assert json.loads((tmp_path / "new" / "results.json").read_text())["zaya_toy_mc"]["acc,none"] == \
         results["zaya_toy_mc"]["acc,none"]
     timing = re.search(r"evaluate_lm: loaded in ([\d.]+) s; log-likelihoods ([\d.]+) s after ([\d.]+) s compiling "
                        r"(\d+) sequence length\(s\); ([\d.]+) s in all", capsys.readouterr().err)
