@@ -7,11 +7,12 @@ document with eos. --holdout-every N sends every N-th document to OUT_valid.bin/
 """
 
 import argparse
+import os
 import sys
 
 from zaya_jax.data import DataError, builtin_corpus, iter_documents, load_tokenizer, tokenize_to_indexed
 from zaya_jax.data.indexed import bin_path, idx_path
-from zaya_jax.data.prepare import FORMATS, check_not_inputs
+from zaya_jax.data.prepare import FORMATS, check_input, check_not_inputs
 
 from launch._cli import ArgumentParser, user_errors
 
@@ -30,6 +31,7 @@ def main(argv=None):
     ap.add_argument("--no-eos", action="store_true", help="do not end documents with the eos token")
     ap.add_argument("--eos-token", default=None, help="name of the eos token in a tokenizer.json vocabulary")
     ap.add_argument("--holdout-every", type=int, default=0, help="every N-th document goes to OUTPUT_PREFIX_valid")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing OUTPUT_PREFIX dataset")
     ap.add_argument("--builtin", action="store_true", help="build the built-in corpus in the cache and exit")
     ap.add_argument("--cache-dir", default=None, help="--builtin: cache folder (default $ZAYA_DATA_CACHE or ~/.cache)")
     args = ap.parse_args(argv)
@@ -44,8 +46,14 @@ def main(argv=None):
         if not args.inputs or not args.output_prefix:
             ap.error("give INPUT files and --output-prefix (or --builtin)")
         valid = f"{args.output_prefix}_valid" if args.holdout_every > 0 else None
-        check_not_inputs(args.inputs, [f(p) for p in filter(None, (args.output_prefix, valid))
-                                       for f in (bin_path, idx_path)])
+        outputs = [f(p) for p in filter(None, (args.output_prefix, valid)) for f in (bin_path, idx_path)]
+        check_not_inputs(args.inputs, outputs)
+        for path in args.inputs:
+            check_input(path)
+        existing = [p for p in outputs if os.path.exists(p)]
+        if existing and not args.overwrite:  # a run training on them would resume on other data
+            raise DataError(f"{', '.join(existing)} already exist{'s' if len(existing) == 1 else ''}: pass "
+                            "--overwrite to replace them")
         replaced = {}
         documents = iter_documents(args.inputs, args.format, text_key=args.text_key, split_lines=args.split_lines,
                                    replaced=replaced)

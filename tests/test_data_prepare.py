@@ -74,7 +74,7 @@ def test_cli_refuses_a_non_string_text_field_and_keeps_the_old_output(tmp_path, 
     src, out, before = prepared_once(tmp_path, capsys, "docs.jsonl", '{"text": "hello"}\n')
     for value, kind in (("null", "null"), ("5", "a number")):  # were the documents "None" and "5"
         src.write_text(f'{{"text": "hello"}}\n{{"text": {value}}}\n')
-        assert prepare_main([str(src), "--output-prefix", out]) == 1
+        assert prepare_main([str(src), "--output-prefix", out, "--overwrite"]) == 1
         err = capsys.readouterr().err
         assert err == f"prepare_data: {src}:2: the 'text' field is {kind}, not a string\n"
         assert written(tmp_path) == before  # the last dataset stays
@@ -83,11 +83,11 @@ def test_cli_refuses_a_non_string_text_field_and_keeps_the_old_output(tmp_path, 
 def test_cli_refuses_inputs_without_a_document_and_keeps_the_old_output(tmp_path, capsys):
     src, out, before = prepared_once(tmp_path, capsys, "docs.txt", "hello")
     src.write_text("")
-    assert prepare_main([str(src), "--output-prefix", out]) == 1
+    assert prepare_main([str(src), "--output-prefix", out, "--overwrite"]) == 1
     assert capsys.readouterr().err == "prepare_data: the inputs hold no document to train on (every one is empty); " \
                                       "nothing written\n"
     src.write_text("hello")  # one document, and it is held out
-    assert prepare_main([str(src), "--output-prefix", out, "--holdout-every", "1"]) == 1
+    assert prepare_main([str(src), "--output-prefix", out, "--holdout-every", "1", "--overwrite"]) == 1
     assert "(1 went to the held-out split)" in capsys.readouterr().err
     assert written(tmp_path) == before  # the last dataset stays
 
@@ -121,6 +121,12 @@ def test_cli_writes_dataset_and_reports_errors(tmp_path, capsys):
     assert "no such input file" in capsys.readouterr().err
     assert prepare_main([str(tmp_path), "--output-prefix", out]) == 1
     assert f"{tmp_path} is a directory: name its files" in capsys.readouterr().err
+    src.write_text("other\n")  # the same output again: refused, the dataset kept, unless --overwrite
+    assert prepare_main([str(src), "--output-prefix", out]) == 1
+    assert f"{out}.bin, {out}.idx already exist: pass --overwrite to replace them" in capsys.readouterr().err
+    assert decoded(out)[0] == ["hello", "world"]
+    assert prepare_main([str(src), "--output-prefix", out, "--overwrite"]) == 0
+    assert decoded(out)[0] == ["other\n"]
 
 
 def test_cli_refuses_to_overwrite_its_input_and_counts_invalid_utf8(tmp_path, capsys):

@@ -36,6 +36,13 @@ def detect_format(path: str) -> str:
     return "text"
 
 
+def check_input(path: str) -> None:
+    if os.path.isdir(path):
+        raise DataError(f"{path} is a directory: name its files")
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: no such input file")
+
+
 def iter_documents(paths: Sequence[str], fmt: str = "auto", *, text_key: str = "text",
                    split_lines: bool = False, replaced: dict | None = None) -> Iterator[str]:
     """The documents of `paths`, in order (files in the order given). Invalid UTF-8 in text and JSONL inputs is
@@ -43,10 +50,7 @@ def iter_documents(paths: Sequence[str], fmt: str = "auto", *, text_key: str = "
     if fmt not in FORMATS:
         raise DataError(f"unknown input format {fmt!r} (choose from {FORMATS})")
     for path in paths:
-        if os.path.isdir(path):
-            raise DataError(f"{path} is a directory: name its files")
-        if not os.path.isfile(path):
-            raise DataError(f"{path}: no such input file")
+        check_input(path)
         kind = detect_format(path) if fmt == "auto" else fmt
         before = _REPLACED.count
         if kind == "parquet":
