@@ -97,11 +97,12 @@ def test_gradient_accumulation_equals_a_larger_batch(straight, tmp_path):
 
 def test_init_from_takes_a_runs_latest_step_or_the_step_whose_folder_is_named(straight, tmp_path):
     from zaya_jax.checkpoint.manager import CheckpointError, restore_subset
-    from zaya_jax.train.init_from import _orbax_source
+    from zaya_jax.inference.loading import orbax_directory, step_folder
     first, _ = straight
     checkpoints = os.path.join(first, "checkpoints")
-    assert _orbax_source(first) == (checkpoints, None) and _orbax_source(checkpoints) == (checkpoints, None)
-    assert _orbax_source(os.path.join(checkpoints, "4")) == (os.path.abspath(checkpoints), 4)
+    for run_or_checkpoints in (first, checkpoints):  # the latest step of the checkpoints folder
+        assert step_folder(run_or_checkpoints) is None and orbax_directory(run_or_checkpoints) == checkpoints
+    assert step_folder(os.path.join(checkpoints, "4")) == (os.path.abspath(checkpoints), 4)
     unfinished = tmp_path / "copy" / "checkpoints" / "9"  # a step folder whose save never finished
     shutil.copytree(first, tmp_path / "copy")
     unfinished.mkdir()

@@ -163,9 +163,9 @@ def restore_subset(directory: str, abstract_subset: dict, *, step: int | None = 
     step = mngr.latest_step() if step is None else step
     if step is None:
         raise CheckpointError(f"no finished checkpoint in {directory}")
-    if step not in mngr.all_steps():
-        raise CheckpointError(f"no finished checkpoint for step {step} in {directory} (have "
-                              f"{sorted(mngr.all_steps())})")
+    steps = mngr.all_steps()
+    if step not in steps:
+        raise CheckpointError(f"no finished checkpoint for step {step} in {directory} (have {sorted(steps)})")
     try:
         saved = ocp.PyTreeCheckpointer().metadata(os.path.join(mngr.directory, str(step), "state")).item_metadata
     except Exception as e:  # a step folder without readable metadata: an unfinished or damaged save

@@ -48,14 +48,22 @@ def matmul_precision(dtype: str):
     return jax.default_matmul_precision("highest" if jnp.dtype(dtype) == jnp.float32 else None)
 
 
+def step_folder(path) -> tuple[str, int] | None:
+    """(the checkpoints/ folder, the step) when `path` is the folder of one step of a run, else None."""
+    parent, name = os.path.split(os.path.abspath(path))
+    if name.isdigit() and os.path.basename(parent) == "checkpoints":
+        return parent, int(name)
+    return None
+
+
 def orbax_directory(path) -> str:
     """The folder holding the numbered checkpoints: `path` itself or its checkpoints/ child (a run's workdir)."""
     child = os.path.join(path, "checkpoints")
     directory = child if os.path.isdir(child) else path
-    parent, name = os.path.split(os.path.abspath(path))
-    if name.isdigit() and os.path.basename(parent) == "checkpoints":
+    one_step = step_folder(path)
+    if one_step is not None:
         raise CheckpointError(f"{path} is the folder of one step: pass its run, --checkpoint "
-                              f"{os.path.dirname(parent)} --step {int(name)}")
+                              f"{os.path.dirname(one_step[0])} --step {one_step[1]}")
     if not os.path.isdir(directory):
         raise CheckpointError(f"{path}: neither a Hugging Face directory (no {CONFIG_FILE}) nor an Orbax "
                               f"checkpoint folder")
@@ -80,17 +88,11 @@ def load_orbax(path, *, dtype: str = "float32", step: int | None = None, log=Non
     """Without `step`, a latest checkpoint that cannot be read falls back to the one before it, as training and
     evaluation do (it is not moved: readers leave the run directory as it is). `log`: default stderr."""
     directory = orbax_directory(path)
-    if step is not None:
-        try:
-            return _load_orbax_step(directory, step, dtype, overrides)
-        except CheckpointError:
-            raise
-        except Exception as e:  # the step asked for is unreadable: no other step stands in for it
-            raise UnreadableCheckpointError(f"checkpoint {directory} step {step} cannot be read: {e}") from e
     steps = sorted(ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True)).all_steps())
-    if not steps:
+    if not steps and step is None:
         raise CheckpointError(f"no finished checkpoint in {directory}")
-    for i, s in enumerate(reversed(steps)):
+    candidates = [step] if step is not None else steps[::-1]  # a step asked for by number has no stand-in
+    for i, s in enumerate(candidates):
         try:
             return _load_orbax_step(directory, s, dtype, overrides)
         except CheckpointError as e:
@@ -99,11 +101,13 @@ def load_orbax(path, *, dtype: str = "float32", step: int | None = None, log=Non
             error = e
         except Exception as e:  # unreadable files: a corrupt or truncated checkpoint
             error = e
-        if i + 1 == len(steps):
+        if i + 1 == len(candidates):
+            if isinstance(error, CheckpointError):
+                raise error
             raise UnreadableCheckpointError(f"checkpoint {directory} step {s} cannot be read: {error}") from error
         (log or (lambda m: print(m, file=sys.stderr)))(
             f"checkpoint {directory} step {s} cannot be read ({type(error).__name__}: {str(error)[:200]}); falling "
-            f"back to step {steps[-i - 2]}")
+            f"back to step {candidates[i + 1]}")
 
 
 def _load_orbax_step(directory: str, step: int, dtype: str, overrides: dict) -> ZayaForCausalLM:

@@ -20,7 +20,7 @@ _MAY_DIFFER = ("pad_token_id", "bos_token_id", "eos_token_id", "max_position_emb
 
 def initialize_from(src: str, state: dict, cfg: ModelConfig, *, log=print) -> dict:
     """`state` with params and model_state replaced by those of `src`, laid out with `state`'s shardings."""
-    from zaya_jax.inference.loading import is_hf_directory
+    from zaya_jax.inference.loading import is_hf_directory, orbax_directory, step_folder
     from zaya_jax.train.errors import TrainConfigError
 
     if not os.path.isdir(src):
@@ -29,21 +29,11 @@ def initialize_from(src: str, state: dict, cfg: ModelConfig, *, log=print) -> di
     if is_hf_directory(src):
         loaded = _from_hf(src, state, cfg, log)
         return {**state, **loaded}
-    src, step = _orbax_source(src)
+    src, step = step_folder(src) or (orbax_directory(src), None)  # one step's folder: that step; else the latest
     subset = {k: state[k] for k in ("params", "model_state")}
     step0, loaded = restore_subset(src, abstract_like(subset), step=step)
     log(f"initialised parameters and balancing biases from {src} step {step0} (fresh optimizer and data)")
     return {**state, **loaded}
-
-
-def _orbax_source(src: str) -> tuple[str, int | None]:
-    """(the folder of numbered checkpoints, the step): a run's workdir or its checkpoints/ folder give the latest
-    step, the folder of one step in checkpoints/ gives that step."""
-    parent, name = os.path.split(os.path.abspath(src))
-    if name.isdigit() and os.path.basename(parent) == "checkpoints":
-        return parent, int(name)
-    child = os.path.join(src, "checkpoints")
-    return (child if os.path.isdir(child) else src), None
 
 
 def _from_hf(src: str, state: dict, cfg: ModelConfig, log) -> dict:

@@ -7,7 +7,6 @@ differs in anything but the settings below is refused in one line naming the dif
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
@@ -125,11 +124,12 @@ def check_workdir(workdir: str) -> None:
     run = next((str(d) for d in Path(path).parents if exists(str(d))), None)
     if run is not None:
         raise TrainConfigError(f"run directory {workdir} is inside the training run {run}: use a directory outside it")
-    weights = glob.glob(os.path.join(glob.escape(path), "model*.safetensors"))
+    from zaya_jax.checkpoint.safetensors_io import existing_weight_files
+
+    weights = existing_weight_files(Path(path))
     if not exists(path) and weights and os.path.isfile(os.path.join(path, "config.json")):
-        raise TrainConfigError(f"run directory {workdir} is a Hugging Face directory (config.json, "
-                               f"{os.path.basename(sorted(weights)[0])}): train in another directory, starting from "
-                               f"it with --config.train.init_from={workdir}")
+        raise TrainConfigError(f"run directory {workdir} is a Hugging Face directory (config.json, {weights[0].name}): "
+                               f"train in another directory, starting from it with --config.train.init_from={workdir}")
 
 
 def ensure(config: ConfigDict, workdir: str, *, resuming: bool, write: bool = True, log=print) -> dict:
