@@ -12,6 +12,7 @@ Runs:
                (by default to 64-row units, the last tile of an expert running 64 rows)
   roundsN      the controller with N solve rounds (rounds12, rounds8, ...; equal shares moving more tokens)
   warmN        N solve rounds started from the stored biases instead of the medians (SOLVE_START=zero)
+  closerN      N solve rounds started from whichever of the two is nearer equal shares (SOLVE_START=closer)
   no_equal_shares  the controller selecting with the solve's correction alone (groups within some 15-20% of equal,
                padded to row tiles): against controller, what equal shares cost a step net of the tiles they fill
   random       each token to a random expert and nothing solving: groups as uneven as sampling makes them, each
@@ -59,12 +60,18 @@ def command(name: str, config: str, steps: int, workdir: str, extra: list[str]) 
         flags, env = RUNS[name]
     elif name.startswith("warm"):
         flags, env = [], {"SOLVE_ROUNDS": name.removeprefix("warm"), "SOLVE_START": "zero"}
+    elif name.startswith("closer"):
+        flags, env = [], {"SOLVE_ROUNDS": name.removeprefix("closer"), "SOLVE_START": "closer"}
     else:
         flags, env = [], {"SOLVE_ROUNDS": name.removeprefix("rounds")}
     module = "benchmarks.train_solve_variant" if env else "launch.train"
     argv = [sys.executable, "-m", module, "--config", config, f"--config.train.steps={steps}",
             "--config.train.log_every=1", "--workdir", workdir, *flags, *extra]
     return argv, env
+
+
+def unknown_runs(names: list[str]) -> list[str]:
+    return [n for n in names if n not in RUNS and not re.fullmatch(r"(rounds|warm|closer)\d+", n)]
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -115,9 +122,9 @@ def main():
     ap.add_argument("extra", nargs="*", help="flags added to every run (after --)")
     args = ap.parse_args()
     names = args.runs.split(",")
-    unknown = [n for n in names if n not in RUNS and not re.fullmatch(r"rounds\d+", n)]
+    unknown = unknown_runs(names)
     if unknown:
-        ap.error(f"unknown runs {unknown}; known: {sorted(RUNS)} and roundsN")
+        ap.error(f"unknown runs {unknown}; known: {sorted(RUNS)}, roundsN, warmN and closerN")
     if args.steps <= FIRST_TIMED_STEP:
         ap.error(f"--steps must exceed {FIRST_TIMED_STEP} (the first timed step)")
     if args.repeats < 1:

@@ -123,29 +123,36 @@ def _padded(scores, valid):
     return vma.vary_to_union(scores, jnp.pad(valid.astype(I32), (0, pn - num_tokens)))
 
 
-def solve(scores, valid, *, rounds: int, damping: float, momentum: float, start: str = "median"):
-    """scores [E, N] fp32, valid [N] bool -> the zero-mean bias change [E]; the reference's numerics (its `start`)."""
+def _params(num_tokens: int):
+    return platform.compiler_params(_warps(min(num_tokens, CHUNK)), 1)
+
+
+def median_start(scores, valid):
+    """scores [E, N] fp32, valid [N] bool -> the change [E] that equalises the experts' median valid scores (the
+    reference's median_start), one program per expert."""
+    num_experts = scores.shape[0]
+    scores, valid = _padded(scores, valid)
+    pe, pn = scores.shape
+    median = pl.pallas_call(_median_kernel, grid=(num_experts,), out_specs=pl.BlockSpec((1,), lambda e: (e,)),
+                            out_shape=vma.out_struct((pe,), F32, scores), compiler_params=_params(pn),
+                            interpret=platform.interpret())(scores, valid)[:num_experts]
+    return jnp.sum(median) / num_experts - median
+
+
+def rounds(scores, valid, first, *, rounds: int, damping: float, momentum: float):
+    """scores [E, N] fp32, valid [N] bool, first [E] -> the zero-mean bias change [E]: the reference's rounds
+    (rounds_reference), one launch per round."""
     num_experts, num_tokens = scores.shape
     scores, valid = _padded(scores, valid)
     pe, pn = scores.shape
-    grid = (num_experts,)
-    params = platform.compiler_params(_warps(min(pn, CHUNK)), 1)
     one = pl.BlockSpec((1,), lambda e: (e,))
-    real = jnp.arange(pe) < num_experts
-    if start == "median":
-        median = pl.pallas_call(_median_kernel, grid=grid, out_specs=one,
-                                out_shape=vma.out_struct((pe,), F32, scores), compiler_params=params,
-                                interpret=platform.interpret())(scores, valid)
-        median = jnp.where(real, median, 0.0)
-        first = jnp.where(real, jnp.sum(median) / num_experts - median, 0.0)
-    else:  # zeros that vary like the scores inside shard_map
-        first = vma.vary(jnp.zeros(pe, F32), vma.varying_axes(scores))
+    first = vma.vary(jnp.pad(first.astype(F32), (0, pe - num_experts)), vma.varying_axes(scores))
     kernel = functools.partial(_round_kernel, num_experts=num_experts, num_tokens=num_tokens,
                                damping=float(damping), momentum=float(momentum))
     vector = vma.out_struct((pe,), F32, scores)
     whole = pl.BlockSpec((pe,), lambda e: (0,))
-    round_ = pl.pallas_call(kernel, grid=grid, out_specs=(whole, whole, one, one),
-                            out_shape=(vector, vector, vector, vector), compiler_params=params,
+    round_ = pl.pallas_call(kernel, grid=(num_experts,), out_specs=(whole, whole, one, one),
+                            out_shape=(vector, vector, vector, vector), compiler_params=_params(pn),
                             interpret=platform.interpret())
     # (delta, change, midpoints, each expert's k-th largest margin: none known before the first round)
     state = (first, jnp.zeros_like(first), jnp.zeros_like(first), jnp.full_like(first, jnp.nan))

@@ -17,6 +17,13 @@ def test_each_run_is_the_documented_command():
     argv, env = routing_ab.command("rounds8", "C.py", 14, "W", [])
     assert env == {"SOLVE_ROUNDS": "8"} and argv[2] == "benchmarks.train_solve_variant"
     assert routing_ab.command("warm8", "C.py", 14, "W", [])[1] == {"SOLVE_ROUNDS": "8", "SOLVE_START": "zero"}
+    assert routing_ab.command("closer4", "C.py", 14, "W", [])[1] == {"SOLVE_ROUNDS": "4", "SOLVE_START": "closer"}
+
+
+def test_run_names_with_a_round_count_are_known():
+    for good in ("warm8", "closer4", "rounds12"):
+        assert routing_ab.unknown_runs([good, "collapsed"]) == []
+    assert routing_ab.unknown_runs(["warm", "cooler8", "controller"]) == ["warm", "cooler8"]
 
 
 def test_summary_times_steps_after_warmup_and_keeps_every_load():
