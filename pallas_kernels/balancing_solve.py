@@ -71,9 +71,32 @@ def _median_kernel(scores_ref, valid_ref, median_ref):
     median_ref[...] = jnp.full((1,), search.key_value(search.largest(keys, rank)[0]), F32)
 
 
-def _round_kernel(scores_ref, valid_ref, delta_ref, change_ref, middle_ref, kth_ref, delta_out, change_out, middle_out,
-                  kth_out, *, num_experts, num_tokens, damping, momentum):
-    e = pl.program_id(0)
+def _round_kernel(stepping_ref, scores_ref, valid_ref, delta_ref, change_ref, middle_ref, kth_ref, delta_out, change_out,
+                  middle_out, kth_out, **constants):
+    """A round, or (stepping_ref 0: the solve settled early) the state passed on as it is, the last round's
+    midpoints still to be taken."""
+    refs = (scores_ref, valid_ref, delta_ref, change_ref, middle_ref, kth_ref, delta_out, change_out, middle_out,
+            kth_out)
+    active = jnp.sum(stepping_ref[...]) != 0
+    e = pl.program_id(0)  # read here: interpret mode has no program_id inside a branch
+
+    @pl.when(active)
+    def _():
+        _round(e, *refs, **constants)
+
+    @pl.when(jnp.logical_not(active))
+    def _():
+        @pl.when(e == 0)
+        def _():
+            delta_out[...] = delta_ref[...]
+            change_out[...] = change_ref[...]
+
+        middle_out[...] = middle_ref[pl.ds(e, 1)]
+        kth_out[...] = kth_ref[pl.ds(e, 1)]
+
+
+def _round(e, scores_ref, valid_ref, delta_ref, change_ref, middle_ref, kth_ref, delta_out, change_out, middle_out,
+           kth_out, *, num_experts, num_tokens, damping, momentum):
     padded = scores_ref.shape[0]
     rows = jnp.arange(padded)
     real = rows < num_experts
@@ -139,9 +162,10 @@ def median_start(scores, valid):
     return jnp.sum(median) / num_experts - median
 
 
-def rounds(scores, valid, first, *, rounds: int, damping: float, momentum: float):
+def rounds(scores, valid, first, *, rounds: int, damping: float, momentum: float, min_rounds=None, unsettled=None):
     """scores [E, N] fp32, valid [N] bool, first [E] -> the zero-mean bias change [E]: the reference's rounds
-    (rounds_reference), one launch per round."""
+    (rounds_reference, its `min_rounds` and `unsettled`), one launch per round; a round that does not step launches
+    and passes the state on."""
     num_experts, num_tokens = scores.shape
     scores, valid = _padded(scores, valid)
     pe, pn = scores.shape
@@ -156,7 +180,11 @@ def rounds(scores, valid, first, *, rounds: int, damping: float, momentum: float
                             interpret=platform.interpret())
     # (delta, change, midpoints, each expert's k-th largest margin: none known before the first round)
     state = (first, jnp.zeros_like(first), jnp.zeros_like(first), jnp.full_like(first, jnp.nan))
-    for _ in range(int(rounds)):
-        state = round_(scores, valid, *state)
+    stepping = vma.vary(jnp.ones((1,), I32), vma.varying_axes(scores))
+    for i in range(int(rounds)):
+        if unsettled is not None and i == min_rounds:
+            delta, _ = next_change(*state[:3], num_experts, damping, momentum)
+            stepping = unsettled(delta[:num_experts]).astype(I32)[None]
+        state = round_(stepping, scores, valid, *state)
     delta, _ = next_change(*state[:3], num_experts, damping, momentum)
     return delta[:num_experts]

@@ -70,9 +70,22 @@ def test_kernel_matches_reference_from_the_other_starts(start):
         raise AssertionError(f"seed {seed}") from err
 
 
+@pytest.mark.parametrize("settled", [0.5, 0.0])  # settled after the first rounds; not settled: every round steps
+def test_kernel_matches_reference_when_settled_solves_stop_early(settled):
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    rng = np.random.default_rng(seed)
+    scores, valid = scores_of("clustered", 5, 1000, rng), jnp.asarray(rng.random(1000) < 0.6)
+    early = dict(CONSTANTS, min_rounds=3, settled=settled)
+    got = {impl: np.asarray(jax.jit(lambda s, v: solve(s, v, impl=impl, **early))(scores, valid))
+           for impl in ("xla", "pallas")}
+    np.testing.assert_allclose(got["pallas"], got["xla"], rtol=0, atol=1e-8, err_msg=f"seed {seed}")
+    rounds = 3 if settled else CONSTANTS["rounds"]
+    np.testing.assert_array_equal(got["xla"], np.asarray(solve(scores, valid, impl="xla", **dict(CONSTANTS, rounds=rounds))))
+
+
 def test_closer_start_takes_the_start_nearer_equal_shares():
-    """Scores whose biases as they are put every token on one expert start from the medians; scores already balanced
-    as they are, whose medians differ (expert 0 scores most tokens low), start from no change."""
+    """Scores whose biases as they are put every token on one expert start from the medians; scores already
+    balanced as they are, whose medians differ (expert 0 scores most tokens low), start from no change."""
     rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**31))
     e, n = 8, 512
     valid = jnp.ones(n, bool)

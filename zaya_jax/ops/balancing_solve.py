@@ -42,14 +42,16 @@ def median_start(scores, valid):
     return median.mean() - median
 
 
-def rounds_reference(scores, valid, first, *, rounds: int, damping: float, momentum: float):
+def rounds_reference(scores, valid, first, *, rounds: int, damping: float, momentum: float, min_rounds=None,
+                     unsettled=None):
     """scores [E, N] fp32, valid [N] bool, first [E] (the change the rounds start from) -> the zero-mean bias change
-    [E] (NaN-free only with >= 1 valid token)."""
+    [E] (NaN-free only with >= 1 valid token). With `unsettled` (a traced test of the change), the rounds after the
+    first `min_rounds` step only if it holds after them; otherwise they leave the change as it is."""
     num_experts, n = scores.shape
     k = jnp.clip(valid.sum() // num_experts, 1, n - 1)
     experts = jnp.arange(num_experts)[:, None]
 
-    def round_(carry, _):
+    def round_(carry, stepping):
         delta, change = carry
         s = scores + delta[:, None]
         first = s.max(0, keepdims=True)
@@ -58,12 +60,15 @@ def rounds_reference(scores, valid, first, *, rounds: int, damping: float, momen
         margin = jnp.where(valid, s - jnp.where(is_first, second, first), -jnp.inf)
         ranked = _ascending_keys(margin)  # the k-th largest at n - k
         middle = 0.5 * (_key_value(jnp.take(ranked, n - k, axis=-1)) + _key_value(jnp.take(ranked, n - k - 1, axis=-1)))
-        change = momentum * change - damping * jnp.where(jnp.isfinite(middle), middle, 0.0)
-        change = change - change.mean()
-        return (delta + change, change), None
+        step = momentum * change - damping * jnp.where(jnp.isfinite(middle), middle, 0.0)
+        step = step - step.mean()
+        return (jnp.where(stepping, delta + step, delta), jnp.where(stepping, step, change)), None
 
-    (delta, _), _ = jax.lax.scan(round_, (first, jnp.zeros_like(first)), None, length=rounds)
-    return delta
+    head = rounds if unsettled is None else min(min_rounds, rounds)
+    carry, _ = jax.lax.scan(round_, (first, jnp.zeros_like(first)), jnp.ones(head, bool))
+    if head < rounds:
+        carry, _ = jax.lax.scan(round_, carry, jnp.full(rounds - head, unsettled(carry[0])))
+    return carry[0]
 
 
 def uneven(scores, valid, delta):
@@ -78,9 +83,12 @@ def uneven(scores, valid, delta):
 STARTS = ("median", "zero", "closer")
 
 
-def solve(scores, valid, *, rounds: int, damping: float, momentum: float, impl: str = "xla", start: str = "median"):
-    """The rounds from `start`: the change that equalises the experts' median scores ('median'), none ('zero': the
-    scores' biases as they are), or whichever of the two leaves fewer tokens over their expert's share ('closer')."""
+def solve(scores, valid, *, rounds: int, damping: float, momentum: float, impl: str = "xla", start: str = "median",
+          min_rounds: int | None = None, settled: float = 0.0):
+    """Up to `rounds` rounds from `start`: the change that equalises the experts' median scores ('median'), none
+    ('zero': the scores' biases as they are), or whichever of the two leaves fewer tokens over their expert's share
+    ('closer'). With `min_rounds`, the rounds after the first `min_rounds` run only if those leave more than
+    `settled` of the valid tokens over their expert's share (a traced test: the skipped rounds still launch, idle)."""
     if start not in STARTS:
         raise ValueError(f"balancing solve: unknown start {start!r} (use one of {STARTS})")
     if impl == "xla":
@@ -92,5 +100,9 @@ def solve(scores, valid, *, rounds: int, damping: float, momentum: float, impl: 
     zero = jnp.zeros_like(scores[:, 0])  # zeros that vary like the scores inside shard_map
     first = zero if start == "zero" else median(scores, valid)
     if start == "closer":
-        first = jnp.where(uneven(scores, valid, first) <= uneven(scores, valid, zero), first, zero)
-    return run(scores, valid, first, rounds=rounds, damping=damping, momentum=momentum)
+        first = jnp.where(uneven(scores, valid, zero) < uneven(scores, valid, first), zero, first)
+    unsettled = None
+    if min_rounds is not None:
+        unsettled = lambda delta: uneven(scores, valid, delta) > settled * valid.sum()  # noqa: E731
+    return run(scores, valid, first, rounds=rounds, damping=damping, momentum=momentum, min_rounds=min_rounds,
+               unsettled=unsettled)
