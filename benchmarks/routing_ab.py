@@ -10,10 +10,8 @@ Runs:
   xla_solve    the same with the XLA rounds (solve_impl 'xla')
   controller_units128  the controller with each expert's rows padded to whole 128-row tiles of the grouped GEMM
                (by default to 64-row units, the last tile of an expert running 64 rows)
-  median_start the controller with every solve's 24 rounds stepping from the medians (the solve before the closer start)
   roundsN      the controller with N solve rounds (rounds12, rounds8, ...; equal shares moving more tokens)
-  minN         the controller with the rounds after the first N stepping only in unsettled solves (SOLVE_MIN_ROUNDS)
-  all_rounds   the controller with every solve's 24 rounds stepping (SOLVE_SETTLED=-1)
+  warmN        N solve rounds started from the stored biases instead of the medians (SOLVE_START=zero)
   no_equal_shares  the controller selecting with the solve's correction alone (groups within some 15-20% of equal,
                padded to row tiles): against controller, what equal shares cost a step net of the tiles they fill
   random       each token to a random expert and nothing solving: groups as uneven as sampling makes them, each
@@ -45,8 +43,6 @@ import time
 
 RUNS = {
     "controller": ([], {}),
-    "median_start": ([], {"SOLVE_START": "median", "SOLVE_SETTLED": "-1"}),
-    "all_rounds": ([], {"SOLVE_SETTLED": "-1"}),
     "xla_solve": (["--config.model.overrides.solve_impl=xla"], {}),
     "controller_units128": ([], {"BLOCK_ROWS": "128"}),
     "no_equal_shares": ([], {"EQUAL_SHARES": "off"}),
@@ -61,8 +57,8 @@ TOKENS_PER_S = f"tokens_per_s_median_steps_{FIRST_TIMED_STEP}_on"  # each run's 
 def command(name: str, config: str, steps: int, workdir: str, extra: list[str]) -> tuple[list[str], dict]:
     if name in RUNS:
         flags, env = RUNS[name]
-    elif name.startswith("min"):
-        flags, env = [], {"SOLVE_MIN_ROUNDS": name.removeprefix("min")}
+    elif name.startswith("warm"):
+        flags, env = [], {"SOLVE_ROUNDS": name.removeprefix("warm"), "SOLVE_START": "zero"}
     else:
         flags, env = [], {"SOLVE_ROUNDS": name.removeprefix("rounds")}
     module = "benchmarks.train_solve_variant" if env else "launch.train"
@@ -72,7 +68,7 @@ def command(name: str, config: str, steps: int, workdir: str, extra: list[str]) 
 
 
 def unknown_runs(names: list[str]) -> list[str]:
-    return [n for n in names if n not in RUNS and not re.fullmatch(r"(rounds|min)\d+", n)]
+    return [n for n in names if n not in RUNS and not re.fullmatch(r"(rounds|warm)\d+", n)]
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -125,7 +121,7 @@ def main():
     names = args.runs.split(",")
     unknown = unknown_runs(names)
     if unknown:
-        ap.error(f"unknown runs {unknown}; known: {sorted(RUNS)}, roundsN and minN")
+        ap.error(f"unknown runs {unknown}; known: {sorted(RUNS)}, roundsN and warmN")
     if args.steps <= FIRST_TIMED_STEP:
         ap.error(f"--steps must exceed {FIRST_TIMED_STEP} (the first timed step)")
     if args.repeats < 1:

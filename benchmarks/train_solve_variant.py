@@ -28,11 +28,11 @@ import jax.numpy as jnp
 
 from zaya_jax.model import router, routing_stats
 
-for name, kind in (("SOLVE_ROUNDS", int), ("SOLVE_MIN_ROUNDS", int), ("SOLVE_SETTLED", float), ("SOLVE_TOKENS", int), ("SOLVE_DAMPING", float), ("SOLVE_MOMENTUM", float),
+for name, kind in (("SOLVE_ROUNDS", int), ("SOLVE_TOKENS", int), ("SOLVE_DAMPING", float), ("SOLVE_MOMENTUM", float),
                    ("SOLVE_START", str)):
     if name in os.environ:
         setattr(routing_stats, name, kind(os.environ[name]))
-print(f"solve: rounds {routing_stats.SOLVE_ROUNDS} (at least {routing_stats.SOLVE_MIN_ROUNDS}, settled at {routing_stats.SOLVE_SETTLED}), tokens {routing_stats.SOLVE_TOKENS}, damping "
+print(f"solve: rounds {routing_stats.SOLVE_ROUNDS}, tokens {routing_stats.SOLVE_TOKENS}, damping "
       f"{routing_stats.SOLVE_DAMPING}, momentum {routing_stats.SOLVE_MOMENTUM}, start {routing_stats.SOLVE_START}", flush=True)
 
 ROUTINGS = ("round_robin", "random")

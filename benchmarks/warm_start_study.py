@@ -28,7 +28,7 @@ import numpy as np
 
 from zaya_jax.model import routing_stats as rs
 from zaya_jax.model.equal_shares import equal_shares
-from zaya_jax.ops.balancing_solve import solve
+from zaya_jax.ops.balancing_solve import solve_reference
 
 WARM_ROUNDS = (0, 2, 4, 8)
 
@@ -38,8 +38,8 @@ def rounds_from(scores, valid, rounds: int, start: str):
     scores equalised ('median', the library's start)."""
     if rounds == 0:
         return jnp.zeros(scores.shape[1])
-    return solve(scores.T, valid, rounds=rounds, damping=rs.SOLVE_DAMPING, momentum=rs.SOLVE_MOMENTUM,
-                 start="zero" if start == "stored" else "median")
+    return solve_reference(scores.T, valid, rounds=rounds, damping=rs.SOLVE_DAMPING, momentum=rs.SOLVE_MOMENTUM,
+                           start="zero" if start == "stored" else "median")
 
 
 @jax.jit

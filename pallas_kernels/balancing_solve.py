@@ -71,32 +71,9 @@ def _median_kernel(scores_ref, valid_ref, median_ref):
     median_ref[...] = jnp.full((1,), search.key_value(search.largest(keys, rank)[0]), F32)
 
 
-def _round_kernel(stepping_ref, scores_ref, valid_ref, delta_ref, change_ref, middle_ref, kth_ref, delta_out, change_out,
-                  middle_out, kth_out, **constants):
-    """A round, or (stepping_ref 0: the solve settled early) the state passed on as it is, the last round's
-    midpoints still to be taken."""
-    refs = (scores_ref, valid_ref, delta_ref, change_ref, middle_ref, kth_ref, delta_out, change_out, middle_out,
-            kth_out)
-    active = jnp.sum(stepping_ref[...]) != 0
-    e = pl.program_id(0)  # read here: interpret mode has no program_id inside a branch
-
-    @pl.when(active)
-    def _():
-        _round(e, *refs, **constants)
-
-    @pl.when(jnp.logical_not(active))
-    def _():
-        @pl.when(e == 0)
-        def _():
-            delta_out[...] = delta_ref[...]
-            change_out[...] = change_ref[...]
-
-        middle_out[...] = middle_ref[pl.ds(e, 1)]
-        kth_out[...] = kth_ref[pl.ds(e, 1)]
-
-
-def _round(e, scores_ref, valid_ref, delta_ref, change_ref, middle_ref, kth_ref, delta_out, change_out, middle_out,
-           kth_out, *, num_experts, num_tokens, damping, momentum):
+def _round_kernel(scores_ref, valid_ref, delta_ref, change_ref, middle_ref, kth_ref, delta_out, change_out, middle_out,
+                  kth_out, *, num_experts, num_tokens, damping, momentum):
+    e = pl.program_id(0)
     padded = scores_ref.shape[0]
     rows = jnp.arange(padded)
     real = rows < num_experts
@@ -146,45 +123,33 @@ def _padded(scores, valid):
     return vma.vary_to_union(scores, jnp.pad(valid.astype(I32), (0, pn - num_tokens)))
 
 
-def _params(num_tokens: int):
-    return platform.compiler_params(_warps(min(num_tokens, CHUNK)), 1)
-
-
-def median_start(scores, valid):
-    """scores [E, N] fp32, valid [N] bool -> the change [E] that equalises the experts' median valid scores (the
-    reference's median_start), one program per expert."""
-    num_experts = scores.shape[0]
-    scores, valid = _padded(scores, valid)
-    pe, pn = scores.shape
-    median = pl.pallas_call(_median_kernel, grid=(num_experts,), out_specs=pl.BlockSpec((1,), lambda e: (e,)),
-                            out_shape=vma.out_struct((pe,), F32, scores), compiler_params=_params(pn),
-                            interpret=platform.interpret())(scores, valid)[:num_experts]
-    return jnp.sum(median) / num_experts - median
-
-
-def rounds(scores, valid, first, *, rounds: int, damping: float, momentum: float, min_rounds=None, unsettled=None):
-    """scores [E, N] fp32, valid [N] bool, first [E] -> the zero-mean bias change [E]: the reference's rounds
-    (rounds_reference, its `min_rounds` and `unsettled`), one launch per round; a round that does not step launches
-    and passes the state on."""
+def solve(scores, valid, *, rounds: int, damping: float, momentum: float, start: str = "median"):
+    """scores [E, N] fp32, valid [N] bool -> the zero-mean bias change [E]; the reference's numerics (its `start`)."""
     num_experts, num_tokens = scores.shape
     scores, valid = _padded(scores, valid)
     pe, pn = scores.shape
+    grid = (num_experts,)
+    params = platform.compiler_params(_warps(min(pn, CHUNK)), 1)
     one = pl.BlockSpec((1,), lambda e: (e,))
-    first = vma.vary(jnp.pad(first.astype(F32), (0, pe - num_experts)), vma.varying_axes(scores))
+    real = jnp.arange(pe) < num_experts
+    if start == "median":
+        median = pl.pallas_call(_median_kernel, grid=grid, out_specs=one,
+                                out_shape=vma.out_struct((pe,), F32, scores), compiler_params=params,
+                                interpret=platform.interpret())(scores, valid)
+        median = jnp.where(real, median, 0.0)
+        first = jnp.where(real, jnp.sum(median) / num_experts - median, 0.0)
+    else:  # zeros that vary like the scores inside shard_map
+        first = vma.vary(jnp.zeros(pe, F32), vma.varying_axes(scores))
     kernel = functools.partial(_round_kernel, num_experts=num_experts, num_tokens=num_tokens,
                                damping=float(damping), momentum=float(momentum))
     vector = vma.out_struct((pe,), F32, scores)
     whole = pl.BlockSpec((pe,), lambda e: (0,))
-    round_ = pl.pallas_call(kernel, grid=(num_experts,), out_specs=(whole, whole, one, one),
-                            out_shape=(vector, vector, vector, vector), compiler_params=_params(pn),
+    round_ = pl.pallas_call(kernel, grid=grid, out_specs=(whole, whole, one, one),
+                            out_shape=(vector, vector, vector, vector), compiler_params=params,
                             interpret=platform.interpret())
     # (delta, change, midpoints, each expert's k-th largest margin: none known before the first round)
     state = (first, jnp.zeros_like(first), jnp.zeros_like(first), jnp.full_like(first, jnp.nan))
-    stepping = vma.vary(jnp.ones((1,), I32), vma.varying_axes(scores))
-    for i in range(int(rounds)):
-        if unsettled is not None and i == min_rounds:
-            delta, _ = next_change(*state[:3], num_experts, damping, momentum)
-            stepping = unsettled(delta[:num_experts]).astype(I32)[None]
-        state = round_(stepping, scores, valid, *state)
+    for _ in range(int(rounds)):
+        state = round_(scores, valid, *state)
     delta, _ = next_change(*state[:3], num_experts, damping, momentum)
     return delta[:num_experts]

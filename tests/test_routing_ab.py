@@ -16,14 +16,13 @@ def test_each_run_is_the_documented_command():
     assert env == {"EQUAL_SHARES": "off"} and argv[2] == "benchmarks.train_solve_variant"
     argv, env = routing_ab.command("rounds8", "C.py", 14, "W", [])
     assert env == {"SOLVE_ROUNDS": "8"} and argv[2] == "benchmarks.train_solve_variant"
-    assert routing_ab.command("min4", "C.py", 14, "W", [])[1] == {"SOLVE_MIN_ROUNDS": "4"}
-    assert routing_ab.command("median_start", "C.py", 14, "W", [])[1] == {"SOLVE_START": "median", "SOLVE_SETTLED": "-1"}
+    assert routing_ab.command("warm8", "C.py", 14, "W", [])[1] == {"SOLVE_ROUNDS": "8", "SOLVE_START": "zero"}
 
 
 def test_run_names_with_a_round_count_are_known():
-    for good in ("min8", "rounds12", "median_start", "all_rounds"):
-        assert routing_ab.unknown_runs([good, "collapsed"]) == []
-    assert routing_ab.unknown_runs(["min", "max8", "controller"]) == ["min", "max8"]
+    for good in ("warm8", "rounds12", "collapsed"):
+        assert routing_ab.unknown_runs([good]) == []
+    assert routing_ab.unknown_runs(["warm", "cold8", "controller"]) == ["warm", "cold8"]
 
 
 def test_summary_times_steps_after_warmup_and_keeps_every_load():

@@ -40,27 +40,21 @@ class RoutingStats(NamedTuple):
 
 
 # Jacobi rounds of the balancing solve, the share of each round's step taken, and the share of the previous round's
-# change carried into the next (heavy-ball momentum). The rounds start from whichever of two changes leaves fewer
-# tokens over their expert's share: none (the stored biases, which hold the solves of the step's earlier
-# microbatches) or the one that equalises the experts' median scores, which removes the shift common to all tokens
-# (what collapses a router whose probabilities differ between tokens by less than one optimizer step moves them; a
-# step's first microbatch, after the optimizer moved the router, mostly starts there). It reads at most SOLVE_TOKENS
-# tokens of the forward: a random subset (a regular stride aliases with periodic text such as indented code) whose
-# positions move with the data, so that its sampling error, about 1 / sqrt(SOLVE_TOKENS / E) of each expert's share,
-# differs between microbatches and layers instead of adding up over a step. Once the router has learned, many tokens
-# sit in tight clusters of nearly equal scores shared by several experts, where plain rounds settle slowly; the
-# momentum settles them faster: 24 rounds from the medians settle them better than 32 plain ones. Rounds are the
-# solve's cost (each a sort of the margins in XLA, one launch with solve_impl 'pallas'), so after SOLVE_MIN_ROUNDS
-# the rest step only if those leave more than SOLVE_SETTLED of the subset's tokens over their expert's share (a step's
-# later microbatches, starting from the stored biases, mostly settle by then). The measurements that chose these are
-# in docs/routing.md.
+# change carried into the next (heavy-ball momentum). The solve starts from the biases that equalise the experts'
+# median scores, which removes the shift common to all tokens (what collapses a router whose probabilities differ
+# between tokens by less than one optimizer step moves them). It reads at most SOLVE_TOKENS tokens of the forward: a
+# random subset (a regular stride aliases with periodic text such as indented code) whose positions move with the
+# data, so that its sampling error, about 1 / sqrt(SOLVE_TOKENS / E) of each expert's share, differs between
+# microbatches and layers instead of adding up over a step. Once the router has learned, many tokens sit in tight
+# clusters of nearly equal scores shared by several experts, and plain rounds settle slowly there (16 left some
+# forwards 1.5x off balance, 32 fewer); with the momentum, 24 rounds settle them better than 32 plain ones. Rounds
+# are the solve's cost (each a sort of the margins in XLA, one launch with solve_impl 'pallas'). The measurements
+# that chose these are in docs/routing.md.
 SOLVE_ROUNDS = 24
-SOLVE_MIN_ROUNDS = 8
-SOLVE_SETTLED = 0.01
 SOLVE_TOKENS = 2048
 SOLVE_DAMPING = 0.9
 SOLVE_MOMENTUM = 0.4
-SOLVE_START = "closer"  # 'median' | 'zero' | 'closer' (ops/balancing_solve.py)
+SOLVE_START = "median"  # or 'zero': from the stored biases as they are (docs/routing.md: where to start the rounds)
 CORRECTION_NAME = "balancing_correction"  # its checkpoint_name: remat policies keep it (model/zaya.py)
 SELECTION_NAME = "routed_experts"  # the train step's final expert per token (model/router.py), kept likewise
 
@@ -84,8 +78,7 @@ def balancing_correction(scores, valid, impl: str = "xla"):
         scores, valid = scores[subset], valid[subset]
     num_experts = scores.shape[1]
     delta = balancing_solve.solve(scores.T, valid, rounds=SOLVE_ROUNDS, damping=SOLVE_DAMPING,
-                                  momentum=SOLVE_MOMENTUM, impl=impl, start=SOLVE_START,
-                                  min_rounds=SOLVE_MIN_ROUNDS, settled=SOLVE_SETTLED)
+                                  momentum=SOLVE_MOMENTUM, impl=impl, start=SOLVE_START)
     count = valid.sum()
     return checkpoint_name(jnp.where(count >= num_experts, delta, 0.0), CORRECTION_NAME)
 
@@ -123,5 +116,5 @@ def unpack(stats) -> RoutingStats:
                         stats[..., -1])
 
 
-__all__ = ["RoutingStats", "balancing_correction", "token_sums", "unpack", "SOLVE_ROUNDS", "SOLVE_MIN_ROUNDS", "SOLVE_SETTLED", "SOLVE_TOKENS",
+__all__ = ["RoutingStats", "balancing_correction", "token_sums", "unpack", "SOLVE_ROUNDS", "SOLVE_TOKENS",
            "SOLVE_DAMPING", "SOLVE_MOMENTUM", "SOLVE_START", "CORRECTION_NAME", "SELECTION_NAME"]
