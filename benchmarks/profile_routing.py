@@ -2,7 +2,8 @@
 (benchmarks/routing_bench_config.py: configs/zaya1_base.py's kernels at the bench preset, one microbatch of 2 x 4096
 tokens, fresh random weights) traced twice, with the controller on (the solve and equal shares in every layer) and off
 (balancing.learning_rate 0: selection by the stored biases). Kernels are attributed to the model source line that
-emitted them (benchmarks/training/bench_profile.py). Per mode: kernel time, the GPU's idle time between kernels, and
+emitted them (in the optimized modules XLA dumps during the run, as benchmarks/profile_decode.py reads them). Per
+mode: kernel time and launches, the GPU's idle time between kernels, and
 the kernels of the routing's own files (the solve, equal shares, the statistics); then the source lines whose time
 differs most between the modes. The bf16 GEMM ceiling is printed first.
 
@@ -11,16 +12,14 @@ python -m benchmarks.profile_routing [--out FILE.json] [--preset tiny: a smoke t
 from __future__ import annotations
 
 import argparse
-import glob
 import json
-import tempfile
 
 import jax
 from flax import nnx
 
 from benchmarks.routing_bench_config import get_config
 from benchmarks.kernels.bench import gemm_ceiling_tflops
-from benchmarks.training.bench_profile import breakdown, hlo_op_names, hlo_sources
+from benchmarks.profile_decode import dump_optimized_hlo, kernel_tables
 from benchmarks.training.bench_programs import make_batch
 from zaya_jax.config import preset
 from zaya_jax.model.base import BalancingBias
@@ -30,27 +29,26 @@ from zaya_jax.train.step import make_loss_fn
 
 ROUTING_FILES = ("router.py", "equal_shares.py", "routing_stats.py", "balancing_solve.py", "group_quota.py",
                  "_order_search.py")
-CALLS = 3
+TOP = 400  # source lines kept per mode: all that differ between them
 
 
-def profile(grad, state, batch) -> dict:
+def profile(grad, state, batch, dump: str) -> dict:
     args = (state["params"], state["model_state"], batch)
     compiled = grad.lower(*args).compile()
-    jax.block_until_ready(compiled(*args))
-    logdir = tempfile.mkdtemp(prefix="profile_routing_")
-    with jax.profiler.trace(logdir):
-        for _ in range(CALLS):
-            out = compiled(*args)
-        jax.block_until_ready(out)
-    text = compiled.as_text()
-    pd = jax.profiler.ProfileData.from_file(glob.glob(f"{logdir}/plugins/profile/*/*.xplane.pb")[0])
-    b = breakdown(pd, hlo_op_names(text), CALLS, gpu=jax.default_backend() == "gpu", forward_only=False,
-                  sources=hlo_sources(text))
-    routing = {k: t for k, t in b["top_sources_ms"] if any(f in k for f in ROUTING_FILES)}
-    gaps = b.get("busiest_stream", {})
-    return {"kernel_ms": round(b["kernel_ms_per_step"], 3), "idle_ms": round(gaps.get("idle_ms_per_call", 0), 3),
-            "kernels": gaps.get("kernels_per_call"), "routing_ms": round(sum(routing.values()), 3),
-            "routing_sources_ms": routing, "sources_ms": dict(b["top_sources_ms"])}
+
+    def run():
+        jax.block_until_ready(compiled(*args))
+
+    run()
+    tables = kernel_tables(run, dump, 1, "microbatch", TOP)
+    sources = {row["source"]: row["ms_per_microbatch"] for row in tables["top_sources"]}
+    counts = {row["source"]: row["calls_per_microbatch"] for row in tables["top_sources"]}
+    routing = {k: t for k, t in sources.items() if any(f in k for f in ROUTING_FILES)}
+    return {"kernel_ms": round(tables["kernel_ms_per_microbatch"], 3),
+            "idle_ms": round(tables["idle"].get("idle_in_span_ms_per_microbatch", 0), 3),
+            "kernels": tables["kernels_per_microbatch"], "routing_ms": round(sum(routing.values()), 3),
+            "routing_launches": sum(counts[k] for k in routing), "routing_sources_ms": routing,
+            "sources_ms": sources, "source_launches": counts, "source_lookup": tables["source_lookup"]}
 
 
 def main(argv=None):
@@ -60,6 +58,7 @@ def main(argv=None):
     ap.add_argument("--preset", default=config.model.preset, choices=[config.model.preset, "tiny"],
                     help="'tiny': a smoke test on 2 x 256 tokens")
     args = ap.parse_args(argv)
+    dump = dump_optimized_hlo()  # before the backend starts
     cfg = preset(args.preset, **dict(config.model.overrides))
     seq = 4096 if args.preset == config.model.preset else 256
     ceiling = gemm_ceiling_tflops(8192)
@@ -73,19 +72,22 @@ def main(argv=None):
         loss = make_loss_fn(graphdef, False, ce_chunk_tokens=config.train.ce_chunk_tokens, balance_tokens=on,
                             solve=on)
         grad = jax.jit(jax.value_and_grad(loss, has_aux=True))
-        modes[name] = profile(grad, state, batch)
+        modes[name] = profile(grad, state, batch, dump)
         m = modes[name]
         print(f"{name}: kernels {m['kernel_ms']} ms ({m['kernels']} launches), idle {m['idle_ms']} ms, routing files "
-              f"{m['routing_ms']} ms", flush=True)
+              f"{m['routing_ms']} ms ({m['routing_launches']} launches)", flush=True)
         for k, t in list(m["routing_sources_ms"].items())[:12]:
             print(f"    {t:8.3f}  {k}")
         save(args.out, modes, ceiling)  # each mode as it finishes: a run cut short keeps what it measured
-    on, off = modes["controller"]["sources_ms"], modes["off"]["sources_ms"]
-    diff = sorted(((on.get(k, 0) - off.get(k, 0), k) for k in set(on) | set(off)), key=lambda d: -abs(d[0]))[:25]
-    print("largest differences, controller - off (ms per microbatch):")
-    for d, k in diff:
-        print(f"    {d:+8.3f}  {k}")
-    save(args.out, modes, ceiling, differences=[[k, round(d, 3)] for d, k in diff])
+    on, off = modes["controller"], modes["off"]
+    keys = set(on["sources_ms"]) | set(off["sources_ms"])
+    diff = sorted(((on["sources_ms"].get(k, 0) - off["sources_ms"].get(k, 0),
+                    on["source_launches"].get(k, 0) - off["source_launches"].get(k, 0), k) for k in keys),
+                  key=lambda d: (-abs(d[0]), -abs(d[1])))[:25]
+    print("largest differences, controller - off (ms and launches per microbatch):")
+    for d, n, k in diff:
+        print(f"    {d:+8.3f} {n:+6.0f}  {k}")
+    save(args.out, modes, ceiling, differences=[[k, round(d, 3), n] for d, n, k in diff])
 
 
 def save(out: str | None, modes: dict, ceiling: float, **extra):
