@@ -5,13 +5,15 @@ tokens, fresh random weights) traced twice, with the controller on (the solve an
 emitted them (in the optimized modules XLA dumps during the run, as benchmarks/profile_decode.py reads them). Per
 mode: kernel time and launches, the GPU's idle time between kernels, and
 the kernels of the routing's own files (the solve, equal shares, the statistics); then the source lines whose time
-differs most between the modes. The bf16 GEMM ceiling is printed first.
+differs most between the modes. The bf16 GEMM ceiling is printed first. With --whole-step, one optimizer step of the
+trainer's own program instead (its 16 microbatches, deferred expert gradients and bias updates), over random tokens.
 
-python -m benchmarks.profile_routing [--out FILE.json] [--preset tiny: a smoke test on 2 x 256 tokens]"""
+python -m benchmarks.profile_routing [--out FILE.json] [--whole-step] [--preset tiny: a smoke test on 2 x 256 tokens]"""
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 
 import jax
@@ -24,7 +26,7 @@ from benchmarks.training.bench_programs import make_batch
 from zaya_jax.config import preset
 from zaya_jax.model.base import BalancingBias
 from zaya_jax.model.zaya import ZayaForCausalLM
-from zaya_jax.train.program import graphdef_of
+from zaya_jax.train.program import build_train_program, graphdef_of
 from zaya_jax.train.step import make_loss_fn
 
 ROUTING_FILES = ("router.py", "equal_shares.py", "routing_stats.py", "balancing_solve.py", "group_quota.py",
@@ -32,23 +34,47 @@ ROUTING_FILES = ("router.py", "equal_shares.py", "routing_stats.py", "balancing_
 TOP = 400  # source lines kept per mode: all that differ between them
 
 
-def profile(grad, state, batch, dump: str) -> dict:
-    args = (state["params"], state["model_state"], batch)
-    compiled = grad.lower(*args).compile()
-
-    def run():
-        jax.block_until_ready(compiled(*args))
-
+def figures(run, dump: str, unit: str) -> dict:
+    """Traces one run() (after a first, compiling one) and sums its kernels by source line."""
     run()
-    tables = kernel_tables(run, dump, 1, "microbatch", TOP)
-    sources = {row["source"]: row["ms_per_microbatch"] for row in tables["top_sources"]}
-    counts = {row["source"]: row["calls_per_microbatch"] for row in tables["top_sources"]}
+    tables = kernel_tables(run, dump, 1, unit, TOP)
+    sources = {row["source"]: row[f"ms_per_{unit}"] for row in tables["top_sources"]}
+    counts = {row["source"]: row[f"calls_per_{unit}"] for row in tables["top_sources"]}
     routing = {k: t for k, t in sources.items() if any(f in k for f in ROUTING_FILES)}
-    return {"kernel_ms": round(tables["kernel_ms_per_microbatch"], 3),
-            "idle_ms": round(tables["idle"].get("idle_in_span_ms_per_microbatch", 0), 3),
-            "kernels": tables["kernels_per_microbatch"], "routing_ms": round(sum(routing.values()), 3),
+    return {"kernel_ms": round(tables[f"kernel_ms_per_{unit}"], 3),
+            "idle_ms": round(tables["idle"].get(f"idle_in_span_ms_per_{unit}", 0), 3),
+            "kernels": tables[f"kernels_per_{unit}"], "routing_ms": round(sum(routing.values()), 3),
             "routing_launches": sum(counts[k] for k in routing), "routing_sources_ms": routing,
             "sources_ms": sources, "source_launches": counts, "source_lookup": tables["source_lookup"]}
+
+
+def microbatch_runner(config, cfg, seq: int, on: bool):
+    """value_and_grad of the train loss on one microbatch of 2 x seq tokens (fresh weights)."""
+    _, params, model_state = nnx.split(ZayaForCausalLM(cfg, seed=0), nnx.Param, BalancingBias)
+    args = (nnx.to_pure_dict(params), nnx.to_pure_dict(model_state), make_batch(cfg, 2, seq))
+    loss = make_loss_fn(graphdef_of(cfg, 0), False, ce_chunk_tokens=config.train.ce_chunk_tokens, balance_tokens=on,
+                        solve=on)
+    compiled = jax.jit(jax.value_and_grad(loss, has_aux=True)).lower(*args).compile()
+    return lambda: jax.block_until_ready(compiled(*args))
+
+
+def step_runner(config, on: bool):
+    """One optimizer step of the trainer's own program (build_train_program: the accumulating step, its deferred
+    expert gradients, the bias update) over random tokens, the state carried from call to call."""
+    config = copy.deepcopy(config)
+    if not on:
+        config.balancing.learning_rate = 0.0
+    prog = build_train_program(config, log=None)
+    plan = prog.plan
+    batches = jax.device_put(make_batch(plan.model, plan.micro_rows, plan.seq_len, accum=plan.accumulation),
+                             prog.batch_sharding)
+    box = [prog.state]
+
+    def run():
+        box[0], metrics = prog.step(box[0], batches)
+        jax.block_until_ready(metrics)
+
+    return run
 
 
 def main(argv=None):
@@ -57,22 +83,24 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="write the figures here (JSON), re-written as each mode ends")
     ap.add_argument("--preset", default=config.model.preset, choices=[config.model.preset, "tiny"],
                     help="'tiny': a smoke test on 2 x 256 tokens")
+    ap.add_argument("--whole-step", action="store_true",
+                    help="profile one optimizer step of the trainer's program (16 microbatches at the bench preset) "
+                         "instead of one microbatch's forward and backward")
     args = ap.parse_args(argv)
     dump = dump_optimized_hlo()  # before the backend starts
-    cfg = preset(args.preset, **dict(config.model.overrides))
-    seq = 4096 if args.preset == config.model.preset else 256
+    if args.preset == "tiny":
+        config.model.preset = "tiny"
+        config.data.seq_len = 256
+        config.train.update(microbatch_tokens=512, global_batch_tokens=2 * 512)
+    cfg = preset(config.model.preset, **dict(config.model.overrides))
     ceiling = gemm_ceiling_tflops(8192)
     print(f"bf16 GEMM ceiling {ceiling:.0f} TFLOP/s", flush=True)
-    _, params, model_state = nnx.split(ZayaForCausalLM(cfg, seed=0), nnx.Param, BalancingBias)
-    state = {"params": nnx.to_pure_dict(params), "model_state": nnx.to_pure_dict(model_state)}
-    batch = make_batch(cfg, 2, seq)
-    graphdef = graphdef_of(cfg, 0)
     modes = {}
     for name, on in (("controller", True), ("off", False)):
-        loss = make_loss_fn(graphdef, False, ce_chunk_tokens=config.train.ce_chunk_tokens, balance_tokens=on,
-                            solve=on)
-        grad = jax.jit(jax.value_and_grad(loss, has_aux=True))
-        modes[name] = profile(grad, state, batch, dump)
+        if args.whole_step:
+            modes[name] = figures(step_runner(config, on), dump, "step")
+        else:
+            modes[name] = figures(microbatch_runner(config, cfg, config.data.seq_len, on), dump, "microbatch")
         m = modes[name]
         print(f"{name}: kernels {m['kernel_ms']} ms ({m['kernels']} launches), idle {m['idle_ms']} ms, routing files "
               f"{m['routing_ms']} ms ({m['routing_launches']} launches)", flush=True)
@@ -84,7 +112,7 @@ def main(argv=None):
     diff = sorted(((on["sources_ms"].get(k, 0) - off["sources_ms"].get(k, 0),
                     on["source_launches"].get(k, 0) - off["source_launches"].get(k, 0), k) for k in keys),
                   key=lambda d: (-abs(d[0]), -abs(d[1])))[:25]
-    print("largest differences, controller - off (ms and launches per microbatch):")
+    print(f"largest differences, controller - off (ms and launches per {'step' if args.whole_step else 'microbatch'}):")
     for d, n, k in diff:
         print(f"    {d:+8.3f} {n:+6.0f}  {k}")
     save(args.out, modes, ceiling, differences=[[k, round(d, 3), n] for d, n, k in diff])
