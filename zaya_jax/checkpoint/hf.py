@@ -26,6 +26,7 @@ from flax import nnx
 
 from zaya_jax.checkpoint.errors import ZayaCheckpointError
 from zaya_jax.checkpoint.hf_keys import HFTensor, hf_tensors
+from zaya_jax.checkpoint.run_layout import RUN_RECORD, run_above
 from zaya_jax.checkpoint.safetensors_io import SafetensorsReader, existing_weight_files, write_sharded
 from zaya_jax.config import ConfigError, ModelConfig
 from zaya_jax.model import ZayaForCausalLM
@@ -176,19 +177,10 @@ class ExistingWeightsError(ZayaCheckpointError):
                 f"pass {how} to replace them")
 
 
-_RUN_RECORD = "run.json"  # zaya_jax.train.run_record.RECORD (not imported: the checkpoint package stays light)
-
-
 def _is_training_run(directory: Path) -> bool:
     """A run's workdir (run.json, checkpoints/) or the checkpoints/ folder of one."""
-    return ((directory / _RUN_RECORD).exists() or (directory / "checkpoints").is_dir()
-            or (directory.name == "checkpoints" and (directory.parent / _RUN_RECORD).exists()))
-
-
-def _run_above(directory: Path) -> Path | None:
-    """The workdir of the training run `directory` lies inside (a run's folders belong to its trainer), if any: a
-    folder above it with the run record (a checkpoints/ folder alone is common in projects that are not runs)."""
-    return next((d for d in directory.absolute().parents if (d / _RUN_RECORD).is_file()), None)
+    return ((directory / RUN_RECORD).exists() or (directory / "checkpoints").is_dir()
+            or (directory.name == "checkpoints" and (directory.parent / RUN_RECORD).exists()))
 
 
 def check_export_target(path, *, source=None, overwrite: bool = False) -> Path:
@@ -200,7 +192,7 @@ def check_export_target(path, *, source=None, overwrite: bool = False) -> Path:
     if _is_training_run(directory):
         raise ZayaCheckpointError(f"{directory} holds a training run (run.json, checkpoints/): export to another "
                                   "directory")
-    run = _run_above(directory)
+    run = run_above(directory)
     if run is not None:
         raise ZayaCheckpointError(f"{directory} is inside the training run {run}: export to a directory outside it")
     if source is not None and directory.exists() and Path(source).exists() and os.path.samefile(directory, source):

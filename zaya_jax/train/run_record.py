@@ -15,7 +15,9 @@ from pathlib import Path
 
 from ml_collections import ConfigDict
 
-RECORD = "run.json"
+from zaya_jax.checkpoint.run_layout import RUN_RECORD, run_above
+
+RECORD = RUN_RECORD
 TOKENIZER_DIR = "tokenizer"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -121,7 +123,7 @@ def check_workdir(workdir: str) -> None:
     path = os.path.abspath(workdir)
     if os.path.exists(path) and not os.path.isdir(path):
         raise TrainConfigError(f"run directory {workdir} is a file, not a directory")
-    run = next((str(d) for d in Path(path).parents if exists(str(d))), None)
+    run = run_above(path)
     if run is not None:
         raise TrainConfigError(f"run directory {workdir} is inside the training run {run}: use a directory outside it")
     from zaya_jax.checkpoint.safetensors_io import existing_weight_files
