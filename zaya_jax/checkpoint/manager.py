@@ -111,18 +111,8 @@ class CheckpointManager:
         if step is not None and step not in steps:
             raise CheckpointError(f"no checkpoint for step {step} in {self.directory} (have {steps})")
         candidates = [step] if step is not None else steps[::-1]
-        for i, s in enumerate(candidates):
-            try:
-                return self._restore_step(s, abstract_state, expect_meta)
-            except CheckpointError:
-                raise
-            except Exception as e:  # unreadable files: a corrupt or truncated checkpoint
-                if i + 1 == len(candidates):
-                    raise UnreadableCheckpointError(f"checkpoint {self.directory} step {s} cannot be read: "
-                                                    f"{_reason(e)}") from e
-                moved = f"; moved to {self._set_aside(s)}" if set_aside else ""
-                log(f"checkpoint {self.directory} step {s} cannot be read ({type(e).__name__}: {_reason(e)})"
-                    f"{moved}; falling back to step {candidates[i + 1]}")
+        return first_readable(self.directory, candidates, lambda s: self._restore_step(s, abstract_state, expect_meta),
+                              log=log, set_aside=self._set_aside if set_aside else None)
 
     def _set_aside(self, step: int) -> str:
         """Moves an unreadable step to DIR/unreadable/STEP (kept for inspection, no longer a step of DIR)."""
@@ -154,6 +144,30 @@ class CheckpointManager:
                                       f"structure: {e}") from e
             raise
         return Restored(step=step, state=r["state"], data=r["data"], meta=meta)
+
+
+def first_readable(directory: str, candidates: list[int], attempt, *, log, set_aside=None):
+    """attempt(step) for each candidate step in turn until one reads. A step that cannot be read (files that fail
+    to load: an unfinished, truncated or damaged save; or UnreadableCheckpointError) is logged and the next one
+    tried, `set_aside(step)` first moving it away; any other CheckpointError (another model, another state) is
+    raised at once, as is the last candidate's failure."""
+    for i, s in enumerate(candidates):
+        try:
+            return attempt(s)
+        except UnreadableCheckpointError as e:
+            error = e
+        except CheckpointError:
+            raise
+        except Exception as e:  # unreadable files: a corrupt or truncated checkpoint
+            error = e
+        if i + 1 == len(candidates):
+            if isinstance(error, CheckpointError):
+                raise error
+            message = f"checkpoint {directory} step {s} cannot be read: {_reason(error)}"
+            raise UnreadableCheckpointError(message) from error
+        moved = f"; moved to {set_aside(s)}" if set_aside else ""
+        log(f"checkpoint {directory} step {s} cannot be read ({type(error).__name__}: {_reason(error)}){moved}; "
+            f"falling back to step {candidates[i + 1]}")
 
 
 def restore_subset(directory: str, abstract_subset: dict, *, step: int | None = None) -> tuple[int, dict]:

@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
 from zaya_jax.checkpoint.hf import CONFIG_FILE, from_hf
-from zaya_jax.checkpoint.manager import CheckpointError, UnreadableCheckpointError, restore_subset
+from zaya_jax.checkpoint.manager import CheckpointError, first_readable, restore_subset
 from zaya_jax.config import PARAM_DTYPES, ModelConfig
 from zaya_jax.model import ZayaForCausalLM
 from zaya_jax.model.base import BalancingBias
@@ -92,22 +92,8 @@ def load_orbax(path, *, dtype: str = "float32", step: int | None = None, log=Non
     if not steps and step is None:
         raise CheckpointError(f"no finished checkpoint in {directory}")
     candidates = [step] if step is not None else steps[::-1]  # a step asked for by number has no stand-in
-    for i, s in enumerate(candidates):
-        try:
-            return _load_orbax_step(directory, s, dtype, overrides)
-        except CheckpointError as e:
-            if not isinstance(e, UnreadableCheckpointError):  # e.g. written for another model: no fallback
-                raise
-            error = e
-        except Exception as e:  # unreadable files: a corrupt or truncated checkpoint
-            error = e
-        if i + 1 == len(candidates):
-            if isinstance(error, CheckpointError):
-                raise error
-            raise UnreadableCheckpointError(f"checkpoint {directory} step {s} cannot be read: {error}") from error
-        (log or (lambda m: print(m, file=sys.stderr)))(
-            f"checkpoint {directory} step {s} cannot be read ({type(error).__name__}: {str(error)[:200]}); falling "
-            f"back to step {candidates[i + 1]}")
+    return first_readable(directory, candidates, lambda s: _load_orbax_step(directory, s, dtype, overrides),
+                          log=log or (lambda m: print(m, file=sys.stderr)))
 
 
 def _load_orbax_step(directory: str, step: int, dtype: str, overrides: dict) -> ZayaForCausalLM:
