@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import statistics
+import time
 
 import jax
 from flax import nnx
@@ -32,16 +34,23 @@ from zaya_jax.train.step import make_loss_fn
 ROUTING_FILES = ("router.py", "equal_shares.py", "routing_stats.py", "balancing_solve.py", "group_quota.py",
                  "_order_search.py")
 TOP = 400  # source lines kept per mode: all that differ between them
+WALL_REPEATS = 5  # untraced calls timed per mode, the median kept
 
 
 def figures(run, dump: str, unit: str) -> dict:
-    """Traces one run() (after a first, compiling one) and sums its kernels by source line."""
+    """Times run() (after a first, compiling call), then traces one more and sums its kernels by source line."""
     run()
+    walls = []
+    for _ in range(WALL_REPEATS):
+        t0 = time.perf_counter()
+        run()
+        walls.append((time.perf_counter() - t0) * 1e3)
     tables = kernel_tables(run, dump, 1, unit, TOP)
     sources = {row["source"]: row[f"ms_per_{unit}"] for row in tables["top_sources"]}
     counts = {row["source"]: row[f"calls_per_{unit}"] for row in tables["top_sources"]}
     routing = {k: t for k, t in sources.items() if any(f in k for f in ROUTING_FILES)}
-    return {"kernel_ms": round(tables[f"kernel_ms_per_{unit}"], 3),
+    return {"wall_ms_median": round(statistics.median(walls), 3), "wall_ms": [round(w, 3) for w in walls],
+            "kernel_ms": round(tables[f"kernel_ms_per_{unit}"], 3),
             "idle_ms": round(tables["idle"].get(f"idle_in_span_ms_per_{unit}", 0), 3),
             "kernels": tables[f"kernels_per_{unit}"], "routing_ms": round(sum(routing.values()), 3),
             "routing_launches": sum(counts[k] for k in routing), "routing_sources_ms": routing,
@@ -102,7 +111,7 @@ def main(argv=None):
         else:
             modes[name] = figures(microbatch_runner(config, cfg, config.data.seq_len, on), dump, "microbatch")
         m = modes[name]
-        print(f"{name}: kernels {m['kernel_ms']} ms ({m['kernels']} launches), idle {m['idle_ms']} ms, routing files "
+        print(f"{name}: wall {m['wall_ms_median']} ms (median of {WALL_REPEATS}), kernels {m['kernel_ms']} ms ({m['kernels']} launches), idle {m['idle_ms']} ms, routing files "
               f"{m['routing_ms']} ms ({m['routing_launches']} launches)", flush=True)
         for k, t in list(m["routing_sources_ms"].items())[:12]:
             print(f"    {t:8.3f}  {k}")
