@@ -6,7 +6,10 @@ emitted them (in the optimized modules XLA dumps during the run, as benchmarks/p
 mode: kernel time and launches, the GPU's idle time between kernels, and
 the kernels of the routing's own files (the solve, equal shares, the statistics); then the source lines whose time
 differs most between the modes. The bf16 GEMM ceiling is printed first. With --whole-step, one optimizer step of the
-trainer's own program instead (its 16 microbatches, deferred expert gradients and bias updates), over random tokens.
+trainer's own program instead (its 16 microbatches, deferred expert gradients and bias updates), over random tokens,
+each mode's calls also timed untraced; a third mode, round_robin (nothing solving, token i to expert i mod E:
+benchmarks/routing_baselines.py), gives the controller's equal groups at no balancing cost, which the stored biases
+of fresh weights (off) do not.
 
 python -m benchmarks.profile_routing [--out FILE.json] [--whole-step] [--preset tiny: a smoke test on 2 x 256 tokens]"""
 
@@ -19,14 +22,17 @@ import statistics
 import time
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
+from benchmarks.routing_baselines import replace_routing
 from benchmarks.routing_bench_config import get_config
 from benchmarks.kernels.bench import gemm_ceiling_tflops
 from benchmarks.profile_decode import dump_optimized_hlo, kernel_tables
 from benchmarks.training.bench_programs import make_batch
 from zaya_jax.config import preset
 from zaya_jax.model.base import BalancingBias
+from zaya_jax.model.router import Router
 from zaya_jax.model.zaya import ZayaForCausalLM
 from zaya_jax.train.program import build_train_program, graphdef_of
 from zaya_jax.train.step import make_loss_fn
@@ -46,10 +52,11 @@ def figures(run, dump: str, unit: str) -> dict:
         run()
         walls.append((time.perf_counter() - t0) * 1e3)
     tables = kernel_tables(run, dump, 1, unit, TOP)
+    loads = getattr(run, "loads", {})  # the worst layer's, of the last step run
     sources = {row["source"]: row[f"ms_per_{unit}"] for row in tables["top_sources"]}
     counts = {row["source"]: row[f"calls_per_{unit}"] for row in tables["top_sources"]}
     routing = {k: t for k, t in sources.items() if any(f in k for f in ROUTING_FILES)}
-    return {"wall_ms_median": round(statistics.median(walls), 3), "wall_ms": [round(w, 3) for w in walls],
+    return {**loads, "wall_ms_median": round(statistics.median(walls), 3), "wall_ms": [round(w, 3) for w in walls],
             "kernel_ms": round(tables[f"kernel_ms_per_{unit}"], 3),
             "idle_ms": round(tables["idle"].get(f"idle_in_span_ms_per_{unit}", 0), 3),
             "kernels": tables[f"kernels_per_{unit}"], "routing_ms": round(sum(routing.values()), 3),
@@ -67,21 +74,30 @@ def microbatch_runner(config, cfg, seq: int, on: bool):
     return lambda: jax.block_until_ready(compiled(*args))
 
 
-def step_runner(config, on: bool):
+def step_runner(config, on: bool, routing: str | None = None):
     """One optimizer step of the trainer's own program (build_train_program: the accumulating step, its deferred
-    expert gradients, the bias update) over random tokens, the state carried from call to call."""
+    expert gradients, the bias update) over random tokens, the state carried from call to call; routing: a baseline
+    of benchmarks/routing_baselines.py patched into the router while the program traces."""
     config = copy.deepcopy(config)
     if not on:
         config.balancing.learning_rate = 0.0
-    prog = build_train_program(config, log=None)
-    plan = prog.plan
-    batches = jax.device_put(make_batch(plan.model, plan.micro_rows, plan.seq_len, accum=plan.accumulation),
-                             prog.batch_sharding)
+    restore = Router.__call__
+    if routing:
+        replace_routing(routing)
+    try:
+        prog = build_train_program(config, log=None)
+        plan = prog.plan
+        batches = jax.device_put(make_batch(plan.model, plan.micro_rows, plan.seq_len, accum=plan.accumulation),
+                                 prog.batch_sharding)
+        step = prog.step.lower(prog.state, batches).compile()  # traced here, with the routing in place
+    finally:
+        Router.__call__ = restore
     box = [prog.state]
 
     def run():
-        box[0], metrics = prog.step(box[0], batches)
-        jax.block_until_ready(metrics)
+        box[0], metrics = step(box[0], batches)
+        run.loads = {k: round(float(f(metrics[f"routing/{k}"])), 3) for k, f in (("max_load", jnp.max),
+                                                                                  ("min_load", jnp.min))}
 
     return run
 
@@ -105,13 +121,16 @@ def main(argv=None):
     ceiling = gemm_ceiling_tflops(8192)
     print(f"bf16 GEMM ceiling {ceiling:.0f} TFLOP/s", flush=True)
     modes = {}
-    for name, on in (("controller", True), ("off", False)):
+    runs = (("controller", True, None), ("off", False, None)) + ((("round_robin", False, "round_robin"),)
+                                                                  if args.whole_step else ())
+    for name, on, routing in runs:
         if args.whole_step:
-            modes[name] = figures(step_runner(config, on), dump, "step")
+            modes[name] = figures(step_runner(config, on, routing), dump, "step")
         else:
             modes[name] = figures(microbatch_runner(config, cfg, config.data.seq_len, on), dump, "microbatch")
         m = modes[name]
-        print(f"{name}: wall {m['wall_ms_median']} ms (median of {WALL_REPEATS}), kernels {m['kernel_ms']} ms ({m['kernels']} launches), idle {m['idle_ms']} ms, routing files "
+        print(f"{name}: loads {m.get('max_load')} / {m.get('min_load')}, wall {m['wall_ms_median']} ms (median of "
+              f"{WALL_REPEATS}), kernels {m['kernel_ms']} ms ({m['kernels']} launches), idle {m['idle_ms']} ms, routing files "
               f"{m['routing_ms']} ms ({m['routing_launches']} launches)", flush=True)
         for k, t in list(m["routing_sources_ms"].items())[:12]:
             print(f"    {t:8.3f}  {k}")

@@ -4,14 +4,8 @@ for the comparisons of docs/routing.md:
     SOLVE_ROUNDS=16 SOLVE_TOKENS=8192 SOLVE_DAMPING=0.8 SOLVE_START=zero python -m benchmarks.train_solve_variant \
         --config benchmarks/routing_bench_config.py --config.train.steps=24 --workdir DIR
 
-ROUTING (with --config.balancing.learning_rate=0.0, so that nothing solves) replaces the router's choice of expert,
-at no balancing cost, by one of two baselines that separate what the controller costs a step from what routing to
-every expert costs (benchmarks/routing_ab.py):
-  round_robin  token i of each forward to expert i mod E: equal groups (with E dividing the forward's tokens, whole
-               row tiles of the grouped GEMM: no padding)
-  random       each token to an expert drawn from the low bits of its router probabilities (new draws in every
-               forward and layer): groups that differ by sampling noise, padded to row tiles as the controller's are
-
+ROUTING=round_robin|random (with --config.balancing.learning_rate=0.0, so that nothing solves) replaces the router's
+choice of expert by a baseline of benchmarks/routing_baselines.py.
 EQUAL_SHARES=off leaves the train step's selection at the argmax with the solve's correction (model/equal_shares.py
 not applied): what equal shares cost a step, measured inside it.
 
@@ -23,9 +17,9 @@ import os
 import runpy
 import sys
 
-import jax
 import jax.numpy as jnp
 
+from benchmarks.routing_baselines import ROUTINGS, replace_routing
 from zaya_jax.model import router, routing_stats
 
 for name, kind in (("SOLVE_ROUNDS", int), ("SOLVE_TOKENS", int), ("SOLVE_DAMPING", float), ("SOLVE_MOMENTUM", float),
@@ -35,25 +29,11 @@ for name, kind in (("SOLVE_ROUNDS", int), ("SOLVE_TOKENS", int), ("SOLVE_DAMPING
 print(f"solve: rounds {routing_stats.SOLVE_ROUNDS}, tokens {routing_stats.SOLVE_TOKENS}, damping "
       f"{routing_stats.SOLVE_DAMPING}, momentum {routing_stats.SOLVE_MOMENTUM}, start {routing_stats.SOLVE_START}", flush=True)
 
-ROUTINGS = ("round_robin", "random")
 routing = os.environ.get("ROUTING")
 if routing is not None and routing not in ROUTINGS:
     sys.exit(f"train_solve_variant: ROUTING={routing!r} unknown; use one of {ROUTINGS}")
 if routing is not None:
-    routed = router.Router.__call__
-
-    def replaced(self, x, prev_state, state_scale, token_mask=None):
-        weight, index, u, probs, correction, moved = routed(self, x, prev_state, state_scale, token_mask)
-        E = self.cfg.num_experts
-        if routing == "round_robin":
-            index = (jnp.arange(index.size, dtype=index.dtype) % E).reshape(index.shape)
-        else:  # the low mantissa bits of a probability: uniform over the experts, different in every forward
-            bits = jax.lax.bitcast_convert_type(jax.lax.stop_gradient(probs[..., 0]), jnp.uint32)
-            index = (bits % E).astype(index.dtype)
-        weight = jnp.take_along_axis(probs, index[..., None], axis=-1)[..., 0]
-        return weight, index, u, probs, correction, moved
-
-    router.Router.__call__ = replaced
+    replace_routing(routing)
     print(f"routing: {routing} (the router's choice replaced)", flush=True)
 if os.environ.get("EQUAL_SHARES", "on") not in ("on", "off"):
     sys.exit(f"train_solve_variant: EQUAL_SHARES={os.environ['EQUAL_SHARES']!r} unknown; use on or off")
