@@ -135,15 +135,22 @@ def main(argv=None):
         for k, t in list(m["routing_sources_ms"].items())[:12]:
             print(f"    {t:8.3f}  {k}")
         save(args.out, modes, ceiling)  # each mode as it finishes: a run cut short keeps what it measured
-    on, off = modes["controller"], modes["off"]
-    keys = set(on["sources_ms"]) | set(off["sources_ms"])
-    diff = sorted(((on["sources_ms"].get(k, 0) - off["sources_ms"].get(k, 0),
-                    on["source_launches"].get(k, 0) - off["source_launches"].get(k, 0), k) for k in keys),
-                  key=lambda d: (-abs(d[0]), -abs(d[1])))[:25]
-    print(f"largest differences, controller - off (ms and launches per {'step' if args.whole_step else 'microbatch'}):")
-    for d, n, k in diff:
-        print(f"    {d:+8.3f} {n:+6.0f}  {k}")
-    save(args.out, modes, ceiling, differences=[[k, round(d, 3), n] for d, n, k in diff])
+    unit = "step" if args.whole_step else "microbatch"
+    differences = {}
+    for base in [name for name in modes if name != "controller"]:
+        differences[base] = largest_differences(modes["controller"], modes[base])
+        print(f"largest differences, controller - {base} (ms and launches per {unit}):")
+        for k, d, n in differences[base]:
+            print(f"    {d:+8.3f} {n:+6.0f}  {k}")
+    save(args.out, modes, ceiling, differences=differences)
+
+
+def largest_differences(on: dict, base: dict, top: int = 25) -> list:
+    """[source, ms, launches] of the source lines whose kernel time differs most between two modes."""
+    keys = set(on["sources_ms"]) | set(base["sources_ms"])
+    rows = [[k, round(on["sources_ms"].get(k, 0) - base["sources_ms"].get(k, 0), 3),
+             on["source_launches"].get(k, 0) - base["source_launches"].get(k, 0)] for k in keys]
+    return sorted(rows, key=lambda r: (-abs(r[1]), -abs(r[2])))[:top]
 
 
 def save(out: str | None, modes: dict, ceiling: float, **extra):
