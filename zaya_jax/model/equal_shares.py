@@ -4,7 +4,7 @@ that differ by at most one token).
 
 Why: the solve sets one bias per expert from a subset of the tokens, which leaves a forward's busiest expert some
 15-20% over an equal share at the bench preset. The grouped GEMMs pad every expert's rows to whole row tiles, so
-uneven groups cost the step about as much as the solve does (docs/routing.md); equal groups of a forward whose
+uneven groups cost the step about as much as the solve does (docs/experiments.md); equal groups of a forward whose
 token count E x the row tile divides fill whole tiles.
 
 How (a greedy balanced assignment): an expert over its share keeps the tokens that prefer it most (the largest

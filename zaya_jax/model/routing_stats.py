@@ -54,7 +54,7 @@ SOLVE_ROUNDS = 24
 SOLVE_TOKENS = 2048
 SOLVE_DAMPING = 0.9
 SOLVE_MOMENTUM = 0.4
-SOLVE_START = "median"  # or 'zero': from the stored biases as they are (docs/routing.md: where to start the rounds)
+SOLVE_START = "median"  # or 'zero': from the stored biases as they are (docs/routing.md: what chose the constants)
 CORRECTION_NAME = "balancing_correction"  # its checkpoint_name: remat policies keep it (model/zaya.py)
 SELECTION_NAME = "routed_experts"  # the train step's final expert per token (model/router.py), kept likewise
 
