@@ -21,8 +21,10 @@ TINY_RULES = (
     ("Adam on the load error (the rule before)", "std 0.02: Adam on load error, lr 5e-3 (the previous default)"),
     ("load error x spread, gain 1", "std 0.02: load error x spread, gain 1"),
     ("fan-in router init, gain 1", "fan_in: gain 1"),
-    ("solve folded in for the next microbatch", "std 0.02: solve, folded in after the microbatch (next microbatch routes with it)"),
-    ("solve in the same microbatch, 8 rounds (the rule kept)", "std 0.02: solve applied in the same microbatch (this rule), 8 rounds"),
+    ("solve folded in for the next microbatch",
+     "std 0.02: solve, folded in after the microbatch (next microbatch routes with it)"),
+    ("solve in the same microbatch, 8 rounds (the rule kept)",
+     "std 0.02: solve applied in the same microbatch (this rule), 8 rounds"),
 )
 GAINS = ("0.25", "0.5", "1.0 (the default)", "1.5")
 # (label, path in routing_h200.json) of per-step worst-layer max loads at the bench preset

@@ -52,7 +52,7 @@ def figures(run, dump: str, unit: str) -> dict:
         run()
         walls.append((time.perf_counter() - t0) * 1e3)
     tables = kernel_tables(run, dump, 1, unit, TOP)
-    loads = getattr(run, "loads", {})  # the worst layer's, of the last step run
+    loads = run.loads() if hasattr(run, "loads") else {}
     sources = {row["source"]: row[f"ms_per_{unit}"] for row in tables["top_sources"]}
     counts = {row["source"]: row[f"calls_per_{unit}"] for row in tables["top_sources"]}
     routing = {k: t for k, t in sources.items() if any(f in k for f in ROUTING_FILES)}
@@ -92,13 +92,15 @@ def step_runner(config, on: bool, routing: str | None = None):
         step = prog.step.lower(prog.state, batches).compile()  # traced here, with the routing in place
     finally:
         Router.__call__ = restore
-    box = [prog.state]
+    box = [prog.state, None]  # the state, the last step's metrics
 
     def run():
-        box[0], metrics = step(box[0], batches)
-        run.loads = {k: round(float(f(metrics[f"routing/{k}"])), 3) for k, f in (("max_load", jnp.max),
-                                                                                  ("min_load", jnp.min))}
+        box[0], box[1] = step(box[0], batches)
+        jax.block_until_ready(box[1])
 
+    # the worst layer's loads of the last step run, read once the timing is over
+    run.loads = lambda: {k: round(float(f(box[1][f"routing/{k}"])), 3) for k, f in (("max_load", jnp.max),
+                                                                                     ("min_load", jnp.min))}
     return run
 
 
@@ -130,8 +132,8 @@ def main(argv=None):
             modes[name] = figures(microbatch_runner(config, cfg, config.data.seq_len, on), dump, "microbatch")
         m = modes[name]
         print(f"{name}: loads {m.get('max_load')} / {m.get('min_load')}, wall {m['wall_ms_median']} ms (median of "
-              f"{WALL_REPEATS}), kernels {m['kernel_ms']} ms ({m['kernels']} launches), idle {m['idle_ms']} ms, routing files "
-              f"{m['routing_ms']} ms ({m['routing_launches']} launches)", flush=True)
+              f"{WALL_REPEATS}), kernels {m['kernel_ms']} ms ({m['kernels']} launches), idle {m['idle_ms']} ms, "
+              f"routing files {m['routing_ms']} ms ({m['routing_launches']} launches)", flush=True)
         for k, t in list(m["routing_sources_ms"].items())[:12]:
             print(f"    {t:8.3f}  {k}")
         save(args.out, modes, ceiling)  # each mode as it finishes: a run cut short keeps what it measured

@@ -17,7 +17,6 @@ from ml_collections import ConfigDict
 
 from zaya_jax.checkpoint.run_layout import RUN_RECORD, run_above
 
-RECORD = RUN_RECORD
 TOKENIZER_DIR = "tokenizer"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -34,7 +33,7 @@ RESUMABLE = ("train.steps", "optim.total_steps", "train.log_every", "train.eval_
 
 
 def record_path(workdir: str) -> str:
-    return os.path.join(workdir, RECORD)
+    return os.path.join(workdir, RUN_RECORD)
 
 
 def exists(workdir: str) -> bool:
@@ -144,7 +143,7 @@ def ensure(config: ConfigDict, workdir: str, *, resuming: bool, write: bool = Tr
         diffs = differences(read(workdir), current)
         fixed = [d for d in diffs if not _resumable(d[0])]
         if fixed:
-            raise TrainConfigError(f"{workdir} was trained with a different config ({RECORD}): {_changes(fixed)}; "
+            raise TrainConfigError(f"{workdir} was trained with a different config ({RUN_RECORD}): {_changes(fixed)}; "
                                    f"use a new --workdir, or delete {record_path(workdir)} to accept the change")
         if diffs:
             log(f"resuming {workdir} with {_changes(diffs)}")
@@ -177,7 +176,7 @@ def load_config(workdir: str) -> ConfigDict:
     from zaya_jax.train.errors import TrainConfigError
 
     if not exists(workdir):
-        raise TrainConfigError(f"{workdir} has no {RECORD} (runs record their config at the first start); "
+        raise TrainConfigError(f"{workdir} has no {RUN_RECORD} (runs record their config at the first start); "
                                f"pass --config")
     record = read(workdir)
     config = ConfigDict(record["config"])
@@ -205,5 +204,5 @@ def default_tokenizer(checkpoint: str) -> str:
         return checkpoint
     spec = recorded_tokenizer(checkpoint)
     if spec is None:
-        raise CheckpointError(f"{checkpoint}: no {RECORD} says which tokenizer trained this run; pass --tokenizer")
+        raise CheckpointError(f"{checkpoint}: no {RUN_RECORD} says which tokenizer trained this run; pass --tokenizer")
     return spec
