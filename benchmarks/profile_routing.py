@@ -7,11 +7,13 @@ mode: kernel time and launches, the GPU's idle time between kernels, and
 the kernels of the routing's own files (the solve, equal shares, the statistics); then the source lines whose time
 differs most between the modes. The bf16 GEMM ceiling is printed first. With --whole-step, one optimizer step of the
 trainer's own program instead (its 16 microbatches, deferred expert gradients and bias updates), over random tokens,
-each mode's calls also timed untraced; a third mode, round_robin (nothing solving, token i to expert i mod E:
-benchmarks/routing_baselines.py), gives the controller's equal groups at no balancing cost, which the stored biases
-of fresh weights (off) do not.
+each mode's calls also timed untraced, and two more modes with nothing solving (benchmarks/routing_baselines.py):
+round_robin (token i to expert i mod E) gives the controller's equal groups at no balancing cost, which the stored
+biases of fresh weights (off) do not; collapsed (every token to one expert) the workload of the collapsed router the
+controller replaced.
 
-python -m benchmarks.profile_routing [--out FILE.json] [--whole-step] [--preset tiny: a smoke test on 2 x 256 tokens]"""
+python -m benchmarks.profile_routing [--out FILE.json] [--whole-step] [--modes controller,off,round_robin,collapsed,
+                                      random] [--preset tiny: a smoke test on 2 x 256 tokens]"""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from benchmarks.routing_baselines import replace_routing
+from benchmarks.routing_baselines import ROUTINGS, replace_routing
 from benchmarks.routing_bench_config import get_config
 from benchmarks.kernels.bench import gemm_ceiling_tflops
 from benchmarks.profile_decode import dump_optimized_hlo, kernel_tables
@@ -110,6 +112,9 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="write the figures here (JSON), re-written as each mode ends")
     ap.add_argument("--preset", default=config.model.preset, choices=[config.model.preset, "tiny"],
                     help="'tiny': a smoke test on 2 x 256 tokens")
+    ap.add_argument("--modes", default=None,
+                    help="comma-separated modes to run (default: controller,off, and with --whole-step also "
+                         "round_robin,collapsed; random too on request: benchmarks/routing_baselines.py)")
     ap.add_argument("--whole-step", action="store_true",
                     help="profile one optimizer step of the trainer's program (16 microbatches at the bench preset) "
                          "instead of one microbatch's forward and backward")
@@ -123,8 +128,13 @@ def main(argv=None):
     ceiling = gemm_ceiling_tflops(8192)
     print(f"bf16 GEMM ceiling {ceiling:.0f} TFLOP/s", flush=True)
     modes = {}
-    runs = (("controller", True, None), ("off", False, None)) + ((("round_robin", False, "round_robin"),)
-                                                                  if args.whole_step else ())
+    runs = (("controller", True, None), ("off", False, None)) + (
+        tuple((routing, False, routing) for routing in ROUTINGS) if args.whole_step else ())
+    wanted = args.modes.split(",") if args.modes else [name for name, _, _ in runs if name != "random"]
+    unknown = sorted(set(wanted) - {name for name, _, _ in runs})
+    if unknown:
+        ap.error(f"--modes: unknown {unknown}; known here: {[name for name, _, _ in runs]}")
+    runs = tuple(run for run in runs if run[0] in wanted)
     for name, on, routing in runs:
         if args.whole_step:
             modes[name] = figures(step_runner(config, on, routing), dump, "step")
@@ -139,7 +149,7 @@ def main(argv=None):
         save(args.out, modes, ceiling)  # each mode as it finishes: a run cut short keeps what it measured
     unit = "step" if args.whole_step else "microbatch"
     differences = {}
-    for base in [name for name in modes if name != "controller"]:
+    for base in [name for name in modes if name != "controller" and "controller" in modes]:
         differences[base] = largest_differences(modes["controller"], modes[base])
         print(f"largest differences, controller - {base} (ms and launches per {unit}):")
         for k, d, n in differences[base]:

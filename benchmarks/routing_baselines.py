@@ -3,15 +3,20 @@ balancing.learning_rate 0, so that nothing solves): baselines that separate what
 what routing to every expert costs (benchmarks/routing_ab.py, benchmarks/profile_routing.py).
   round_robin  token i of each forward to expert i mod E: equal groups (with E dividing the forward's tokens, whole
                row tiles of the grouped GEMM: no padding)
+  collapsed    every token to expert 0: the workload of a collapsed router (routing_ab's collapsed runs put each
+               layer's every token on one expert), one group of whole row tiles
   random       each token to an expert drawn from the low bits of its router probabilities (new draws in every
-               forward and layer): groups that differ by sampling noise, padded to row tiles as the controller's are"""
+               forward and layer): groups that differ by sampling noise, padded to row tiles as the controller's are
+The fixed routings add a value known only at run time (always 0) to their index: with a constant index XLA folds
+the grouped GEMM's tile layout into the program (~15k of a bench step's ~38k launches), a baseline cheaper than any
+routing computed from the data."""
 
 import jax
 import jax.numpy as jnp
 
 from zaya_jax.model import router
 
-ROUTINGS = ("round_robin", "random")
+ROUTINGS = ("round_robin", "collapsed", "random")
 
 
 def replace_routing(routing: str) -> None:
@@ -23,8 +28,11 @@ def replace_routing(routing: str) -> None:
     def replaced(self, x, prev_state, state_scale, token_mask=None):
         weight, index, u, probs, correction, moved = routed(self, x, prev_state, state_scale, token_mask)
         E = self.cfg.num_experts
+        zero = (jax.lax.stop_gradient(probs).ravel()[0] < 0).astype(index.dtype)  # probabilities are >= 0
         if routing == "round_robin":
-            index = (jnp.arange(index.size, dtype=index.dtype) % E).reshape(index.shape)
+            index = ((jnp.arange(index.size, dtype=index.dtype) + zero) % E).reshape(index.shape)
+        elif routing == "collapsed":
+            index = jnp.broadcast_to(zero, index.shape)
         else:  # the low mantissa bits of a probability: uniform over the experts, different in every forward
             bits = jax.lax.bitcast_convert_type(jax.lax.stop_gradient(probs[..., 0]), jnp.uint32)
             index = (bits % E).astype(index.dtype)
