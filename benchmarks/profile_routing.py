@@ -12,8 +12,9 @@ round_robin (token i to expert i mod E) gives the controller's equal groups at n
 biases of fresh weights (off) do not; collapsed (every token to one expert) the workload of the collapsed router the
 controller replaced.
 
-python -m benchmarks.profile_routing [--out FILE.json] [--whole-step] [--modes controller,off,round_robin,collapsed,
-                                      random] [--preset tiny: a smoke test on 2 x 256 tokens]"""
+python -m benchmarks.profile_routing [--out FILE.json] [--whole-step [--init-from RUN]]
+                                     [--modes controller,off,round_robin,collapsed,random]
+                                     [--preset tiny: a smoke test on 2 x 256 tokens]"""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from zaya_jax.config import preset
 from zaya_jax.model.base import BalancingBias
 from zaya_jax.model.router import Router
 from zaya_jax.model.zaya import ZayaForCausalLM
+from zaya_jax.train.init_from import initialize_from
 from zaya_jax.train.program import build_train_program, graphdef_of
 from zaya_jax.train.step import make_loss_fn
 
@@ -76,10 +78,12 @@ def microbatch_runner(config, cfg, seq: int, on: bool):
     return lambda: jax.block_until_ready(compiled(*args))
 
 
-def step_runner(config, on: bool, routing: str | None = None):
+def step_runner(config, on: bool, routing: str | None = None, init_from: str = ""):
     """One optimizer step of the trainer's own program (build_train_program: the accumulating step, its deferred
     expert gradients, the bias update) over random tokens, the state carried from call to call; routing: a baseline
-    of benchmarks/routing_baselines.py patched into the router while the program traces."""
+    of benchmarks/routing_baselines.py patched into the router while the program traces; init_from: a run of this
+    config whose weights and biases to start from (a trained router: the solve's searches take more passes on its
+    clustered scores than on fresh weights' near-uniform ones)."""
     config = copy.deepcopy(config)
     if not on:
         config.balancing.learning_rate = 0.0
@@ -94,7 +98,8 @@ def step_runner(config, on: bool, routing: str | None = None):
         step = prog.step.lower(prog.state, batches).compile()  # traced here, with the routing in place
     finally:
         Router.__call__ = restore
-    box = [prog.state, None]  # the state, the last step's metrics
+    state = initialize_from(init_from, prog.state, plan.model) if init_from else prog.state
+    box = [state, None]  # the state, the last step's metrics
 
     def run():
         box[0], box[1] = step(box[0], batches)
@@ -115,10 +120,15 @@ def main(argv=None):
     ap.add_argument("--modes", default=None,
                     help="comma-separated modes to run (default: controller,off, and with --whole-step also "
                          "round_robin,collapsed; random too on request: benchmarks/routing_baselines.py)")
+    ap.add_argument("--init-from", default="",
+                    help="with --whole-step: start every mode from this run's weights and biases (a run of "
+                         "benchmarks/routing_bench_config.py, e.g. 30 steps of launch.train) instead of fresh ones")
     ap.add_argument("--whole-step", action="store_true",
                     help="profile one optimizer step of the trainer's program (16 microbatches at the bench preset) "
                          "instead of one microbatch's forward and backward")
     args = ap.parse_args(argv)
+    if args.init_from and not args.whole_step:
+        ap.error("--init-from needs --whole-step")
     dump = dump_optimized_hlo()  # before the backend starts
     if args.preset == "tiny":
         config.model.preset = "tiny"
@@ -137,7 +147,7 @@ def main(argv=None):
     runs = tuple(run for run in runs if run[0] in wanted)
     for name, on, routing in runs:
         if args.whole_step:
-            modes[name] = figures(step_runner(config, on, routing), dump, "step")
+            modes[name] = figures(step_runner(config, on, routing, args.init_from), dump, "step")
         else:
             modes[name] = figures(microbatch_runner(config, cfg, config.data.seq_len, on), dump, "microbatch")
         m = modes[name]
