@@ -8,8 +8,8 @@ what routing to every expert costs (benchmarks/routing_ab.py, benchmarks/profile
   random       each token to an expert drawn from the low bits of its router probabilities (new draws in every
                forward and layer): groups that differ by sampling noise, padded to row tiles as the controller's are
 The fixed routings add a value known only at run time (always 0) to their index: with a constant index XLA folds
-the grouped GEMM's tile layout into the program (~15k of a bench step's ~38k launches), a baseline cheaper than any
-routing computed from the data."""
+the grouped GEMM's tile layout into the program, a baseline cheaper than any routing computed from the data
+(docs/experiments.md, the whole-step profile)."""
 
 import jax
 import jax.numpy as jnp
