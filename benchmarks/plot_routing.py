@@ -94,11 +94,10 @@ def draw(out: str) -> str:
         ax.set_yticks([t for t in (1, 1.5, 2, 4, 8, 16) if t <= top])
         ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
         ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    for ax in axes.flat:
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
     for ax in (a, c):
         ax.axhline(1.5, linestyle=":", color="black", linewidth=0.8, label="1.5: the bound a run must hold")
+    for ax in axes.flat:
+        ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

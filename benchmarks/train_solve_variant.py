@@ -4,8 +4,8 @@ for the comparisons of docs/routing.md:
     SOLVE_ROUNDS=16 SOLVE_TOKENS=8192 SOLVE_DAMPING=0.8 SOLVE_START=zero python -m benchmarks.train_solve_variant \
         --config benchmarks/routing_bench_config.py --config.train.steps=24 --workdir DIR
 
-ROUTING=round_robin|collapsed|random (with --config.balancing.learning_rate=0.0, so that nothing solves) replaces the router's
-choice of expert by a baseline of benchmarks/routing_baselines.py.
+ROUTING=round_robin|collapsed|random (with --config.balancing.learning_rate=0.0, so that nothing solves) replaces the
+router's choice of expert by a baseline of benchmarks/routing_baselines.py.
 EQUAL_SHARES=off leaves the train step's selection at the argmax with the solve's correction (model/equal_shares.py
 not applied): what equal shares cost a step, measured inside it.
 
@@ -27,7 +27,8 @@ for name, kind in (("SOLVE_ROUNDS", int), ("SOLVE_TOKENS", int), ("SOLVE_DAMPING
     if name in os.environ:
         setattr(routing_stats, name, kind(os.environ[name]))
 print(f"solve: rounds {routing_stats.SOLVE_ROUNDS}, tokens {routing_stats.SOLVE_TOKENS}, damping "
-      f"{routing_stats.SOLVE_DAMPING}, momentum {routing_stats.SOLVE_MOMENTUM}, start {routing_stats.SOLVE_START}", flush=True)
+      f"{routing_stats.SOLVE_DAMPING}, momentum {routing_stats.SOLVE_MOMENTUM}, start {routing_stats.SOLVE_START}",
+      flush=True)
 
 routing = os.environ.get("ROUTING")
 if routing is not None and routing not in ROUTINGS:
