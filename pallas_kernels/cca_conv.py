@@ -7,6 +7,7 @@ contract and numerics as `zaya_jax.ops.cca_conv.qk_mix_reference` (the rounding 
 with two liberties the reference does not take: the mixed channels may be the first C = G * d of a wider array (the
 decoder's and the scorer's fused q/k/v projection output, read in place instead of sliced), and with zero_halo x
 holds only the T positions, the P zero columns before t = 0 implied instead of concatenated (a sequence start).
+qk_mix_cached reads those P columns from a cache's ring (by slot) instead, and writes the chunk into the ring.
 
 Forward, one kernel: a program owns `rows` time rows of one head's d channels (grid: batch x row tiles x heads). It
 reads the P + 1 shifted views of its input rows once, forms the t1 depthwise taps in fp32 (rounded as the reference
@@ -114,12 +115,22 @@ def _round(x, dtype):
     return x.astype(dtype).astype(F32)
 
 
-def _shifted_views(x_ref, m_ref, start, rows: int, *, P: int, T: int, off: int, offsets=None):
+def _ring_rows(slot, times, n: int):
+    """Where a cache ring of n columns holds the chunk times `times` (relative to the chunk's first slot; > -n)."""
+    return lax.rem(slot + times + n, n)
+
+
+def _shifted_views(x_ref, m_ref, start, rows: int, *, P: int, T: int, off: int, offsets=None, ring=None):
     """{s: the input at times start - s .. (fp32), times same_segment[s] of the output rows} for s in offsets
-    (0 .. P). x holds `off` halo rows before t = 0 (P, or 0 when the halo is implied zeros)."""
+    (0 .. P). x holds `off` halo rows before t = 0 (P, or 0 when the halo is implied zeros or held in a cache's ring:
+    ring = (its ref [P + 1, d], the chunk's first slot))."""
     views = {}
     for s in range(P + 1) if offsets is None else sorted(set(offsets)):
         col = _load_rows(x_ref, start + off - s, rows, T + off)
+        if ring is not None:
+            ring_ref, slot = ring
+            times = start - s + jnp.arange(rows)
+            col = jnp.where((times < 0)[:, None], ring_ref[_ring_rows(slot, times, P + 1), :].astype(F32), col)
         if m_ref is not None and s:
             col = col * _load_mask(m_ref, s, start, rows, T)
         views[s] = col
@@ -156,13 +167,17 @@ def _head_specs(length: int, d: int, heads: int, kv: int, head_axis: int):
 
 
 # ------------------------------------------------------------------------------------------------------ forward
-def _fwd_kernel(x_ref, xkv_ref, *rest, t0, t1, P, T, off, rows, heads, group, has_seg, precision):
+def _fwd_kernel(x_ref, xkv_ref, *rest, t0, t1, P, T, off, rows, heads, group, has_seg, has_ring, precision):
     xq_refs, (w1_ref, b1_ref, w2_ref, b2_ref), rest = rest[:group], rest[group:group + 4], rest[group + 4:]
-    m_ref, o_ref = (rest[0], rest[1]) if has_seg else (None, rest[0])
+    ring_ref, slot_ref, rest = (*rest[:2], rest[2:]) if has_ring else (None, None, rest)
+    m_ref, rest = (rest[0], rest[1:]) if has_seg else (None, rest)
+    o_ref, ring_out = rest if has_ring else (rest[0], None)
     dt = o_ref.dtype
     g = pl.program_id(2)
     start = pl.program_id(1) * rows
-    views = _shifted_views(x_ref, m_ref, start, rows, P=P, T=T, off=off)
+    slot = slot_ref[0] if has_ring else None
+    views = _shifted_views(x_ref, m_ref, start, rows, P=P, T=T, off=off,
+                           ring=None if ring_ref is None else (ring_ref, slot))
     z = b2_ref[...].astype(F32)[None, :]
     for j in range(t1):
         y = _tap(views, w1_ref, b1_ref, j, t0=t0, t1=t1, dtype=dt).astype(dt)
@@ -180,30 +195,55 @@ def _fwd_kernel(x_ref, xkv_ref, *rest, t0, t1, P, T, off, rows, heads, group, ha
         total = sum(_query_residual(_load_rows(q_ref, start + off, rows, T + off), own, dt) for q_ref in xq_refs)
         _store_rows(o_ref, start, z + _round(total / group, dt), T)
 
+    if has_ring:
+        @pl.when(pl.program_id(1) == 0)
+        def _write_ring():
+            n = P + 1
+            if T == 1:  # in place (the ring is aliased): the token's column, at the one position no view reads
+                plgpu.store(ring_out.at[pl.ds(_ring_rows(slot, 0, n), 1), :], x_ref[...].astype(ring_out.dtype))
+            else:  # a new ring: each position's latest time, from the chunk or, before it, from the old ring
+                p = jnp.arange(platform.next_pow2(n))
+                times = T - 1 - lax.rem(slot + T - 1 - p + n, n)
+                cols = jnp.where((times < 0)[:, None], ring_ref[jnp.minimum(p, n - 1), :].astype(F32),
+                                 x_ref[jnp.clip(times, 0, T - 1), :].astype(F32))
+                _store_rows(ring_out, 0, cols, n)
 
-def _forward(xp, w1, b1, w2, b2, masks, *, heads: int, off: int):
+
+def _forward(xp, w1, b1, w2, b2, masks, *, heads: int, off: int, ring=None, slot=None):
+    """The mix of xp (`off` halo columns before its T positions), or with a cache's `ring` [B, P + 1, C] and the
+    chunk's first `slot` [1] (off 0) the mix and the ring including the chunk (for one token: the same buffer)."""
     B, Tp, _ = xp.shape
     G, d, _, t1 = w2.shape
     C, t0 = G * d, w1.shape[1]
     P = halo(t0, t1)
     T = Tp - off
     rows, warps, _, _ = _head_tiles(T)
-    x, w1t, b1, w2t, b2, m = vma.vary_to_union(xp, _tap_weights(w1), b1, _per_tap(w2), b2, masks)
+    x, w1t, b1, w2t, b2, m, h = vma.vary_to_union(xp, _tap_weights(w1), b1, _per_tap(w2), b2, masks, ring)
     own, kv_head, group_heads = _head_specs(Tp, d, heads, G - heads, head_axis=2)
     in_specs = [own, kv_head, *group_heads,
                 pl.BlockSpec((w1t.shape[0], d), lambda n, i, g: (0, g)), pl.BlockSpec((d,), lambda n, i, g: (g,)),
                 pl.BlockSpec((t1, None, d, d), lambda n, i, g: (0, g, 0, 0)), pl.BlockSpec((d,), lambda n, i, g: (g,))]
     args = [x, x, *[x] * len(group_heads), w1t, b1, w2t, b2]
+    out_specs, out_shape = _head_spec(T, d, head_axis=2), vma.out_struct((B, T, C), xp.dtype, x)
+    aliases = {}
+    if h is not None:
+        if T == 1:
+            aliases = {len(args): 1}
+        in_specs += [_head_spec(P + 1, d, head_axis=2), pl.BlockSpec((1,), lambda n, i, g: (0,))]
+        args += [h, slot]
+        out_specs, out_shape = [out_specs, in_specs[-2]], [out_shape, vma.out_struct(h.shape, h.dtype, x)]
     if m is not None:
         in_specs.append(pl.BlockSpec((m.shape[0], None, T), lambda n, i, g: (0, n, 0)))
         args.append(m)
     return pl.pallas_call(
         functools.partial(_fwd_kernel, t0=t0, t1=t1, P=P, T=T, off=off, rows=rows, heads=heads,
-                          group=len(group_heads), has_seg=m is not None, precision=platform.dot_precision(xp.dtype)),
+                          group=len(group_heads), has_seg=m is not None, has_ring=h is not None,
+                          precision=platform.dot_precision(xp.dtype)),
         grid=(B, pl.cdiv(T, rows), G),
         in_specs=in_specs,
-        out_specs=_head_spec(T, d, head_axis=2),
-        out_shape=vma.out_struct((B, T, C), xp.dtype, x),
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=platform.compiler_params(warps, 2),
         interpret=platform.interpret(), name="cca_qk_mix_fwd",
     )(*args)
@@ -405,11 +445,25 @@ def _masks(same_segment, P: int):
 
 
 def qk_mix(xp, w1, b1, w2, b2, heads: int, same_segment=None, zero_halo: bool = False):
+    P = _check(xp, w1, b1, w2, b2, heads, 0 if zero_halo else None)
+    return _mix(xp, w1, b1, w2, b2, _masks(same_segment, P), int(heads), 0 if zero_halo else P)
+
+
+def qk_mix_cached(x, ring, slot, w1, b1, w2, b2, heads: int):
+    """zaya_jax.ops.cca_conv.qk_mix_cached in one kernel: x [B, T, C'] at cache slots slot .. slot + T - 1, a cache's
+    ring [B, P + 1, C] -> (the mix, the ring including the chunk). Forward only (the inference programs)."""
+    _check(x, w1, b1, w2, b2, heads, 0)
+    slot = jnp.reshape(slot, (1,)).astype(jnp.int32)
+    return tuple(_forward(x, w1, b1, w2, b2, None, heads=int(heads), off=0, ring=ring, slot=slot))
+
+
+def _check(xp, w1, b1, w2, b2, heads: int, off: int | None) -> int:
+    """The halo P, or a ValueError naming every shape problem; off: halo columns xp holds (None: P)."""
     B, Tp, width = xp.shape
     G, d, d_in, t1 = w2.shape
     C, t0 = G * d, w1.shape[1]
     P = halo(t0, t1)
-    off = 0 if zero_halo else P
+    off = P if off is None else off
     problems = []
     if w1.shape != (C, t0) or b1.shape != (C,) or b2.shape != (C,) or d_in != d or width < C:
         problems.append(f"need w1 [C, t0], b1 [C], w2 [G, d, d, t1], b2 [C] with C = G * d <= {width} channels of xp; "
@@ -422,4 +476,4 @@ def qk_mix(xp, w1, b1, w2, b2, heads: int, same_segment=None, zero_halo: bool = 
         problems.append(f"xp has {Tp} positions, not more than the {P} halo columns")
     if problems:
         raise ValueError("cca qk_mix (pallas): " + "; ".join(problems))
-    return _mix(xp, w1, b1, w2, b2, _masks(same_segment, P), int(heads), off)
+    return P

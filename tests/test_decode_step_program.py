@@ -53,3 +53,31 @@ def test_the_gpu_decode_step_casts_no_layer_weight_for_a_kernel_or_matmul():
                if key_path(path)[:2] == LAYERS}
     assert weights
     assert cast_weights_consumed(closed.jaxpr, weights) == []
+
+
+def test_the_gpu_decode_step_writes_each_layers_conv_ring_in_place():
+    """Every layer's CCA convolution kernel takes the cache's ring as an input aliased to its ring output: the
+    token's column is written into the carried buffer (an ordered halo cost a concatenation, a slice and a copy into
+    the loop's carry at every token)."""
+    cfg = preset("tiny").replace(dtype="bfloat16", param_dtype="bfloat16")
+    decoder = Decoder(ZayaForCausalLM(cfg, rngs=nnx.Rngs(0)), kernels="gpu")
+    cache = decoder.init_cache(1, 16)
+    closed = jax.make_jaxpr(functools.partial(_step, decoder.step_graphdef))(decoder.state, cache,
+                                                                              jnp.zeros((1,), jnp.int32))
+    rings = {v for v, leaf in zip(closed.jaxpr.invars, jax.tree.leaves((decoder.state, cache)))
+             if any(leaf is r for r in jax.tree.leaves(cache.cca.conv))}
+
+    def conv_calls(jaxpr, names):
+        for e in jaxpr.eqns:
+            if e.primitive.name == "pallas_call" and e.params.get("name") == "cca_qk_mix_fwd":
+                yield e, names
+            for sub in jaxprs_in_params(e.params):
+                if len(sub.invars) == len(e.invars):
+                    yield from conv_calls(sub, {iv for iv, ov in zip(sub.invars, e.invars)
+                                                if not isinstance(ov, Literal) and ov in names})
+
+    calls = list(conv_calls(closed.jaxpr, rings))
+    assert len(calls) == cfg.num_hidden_layers
+    for e, names in calls:
+        aliased = [e.invars[i] for i, o in e.params["input_output_aliases"] if o == 1]
+        assert len(aliased) == 1 and not isinstance(aliased[0], Literal) and aliased[0] in names

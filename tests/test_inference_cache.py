@@ -110,3 +110,21 @@ def test_the_decoder_holds_one_copy_of_the_weights_once_the_model_is_dropped():
     del model
     assert live_bytes() - before <= 1.01 * weights + delayed
     assert decoder.state is not None
+
+
+@pytest.mark.parametrize("chunks", [(2, 3, 1, 3), (1, 1, 7)])
+def test_a_prompt_fed_in_chunks_matches_the_full_forward(chunks):
+    """Chunks after the first start at a nonzero slot: the CCA halo ring is read and rebuilt at every offset of the
+    convolution window (prefill), and single tokens write their column into it (decode)."""
+    cfg = CONFIGS["bias_conv31_sliding"]
+    model = random_model(cfg, seed=11)
+    decoder = Decoder(model)
+    ids = np.random.default_rng(5).integers(1, cfg.vocab_size, (2, sum(chunks) + 6))
+    cache = decoder.init_cache(2, ids.shape[1])
+    ours, start = [], 0
+    for n in chunks + (1,) * 6:
+        logits, cache = decoder.prefill(cache, ids[:, start:start + n], all_logits=True)
+        ours.append(np.asarray(logits))
+        start += n
+    ref = np.asarray(jax.jit(lambda x: model(x))(jnp.asarray(ids)))
+    assert max_rel(np.concatenate(ours, axis=1), ref) <= TOL

@@ -1,6 +1,7 @@
 """CCA's q/k mixing kernels (pallas_kernels/cca_conv.py: both convolutions and the mean residual paths) against the
 jnp reference (zaya_jax/ops/cca_conv.py), forward and backward on fresh random inputs: interpret mode on the CPU,
-compiled with `-m gpu`; inside shard_map their types lower for CUDA (weights replicated, rows sharded)."""
+compiled with `-m gpu`; inside shard_map their types lower for CUDA (weights replicated, rows sharded). The cached-halo
+forward (a decode cache's chunk over its ring) against the reference's rolled concatenation, the ring bit for bit."""
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +12,7 @@ from test_pallas_rmsnorm import TOL, rel_err
 
 from pallas_kernels import platform, vma
 from zaya_jax.model.cca import same_segment_masks
-from zaya_jax.ops.cca_conv import halo, qk_mix
+from zaya_jax.ops.cca_conv import halo, qk_mix, qk_mix_cached
 
 
 def problem(seed, B, T, heads, kv, d, t0, t1, segments, dtype):
@@ -146,6 +147,48 @@ def test_kernels_lower_inside_shard_map_for_cuda(monkeypatch, zero_halo):
     assert "all_reduce" in text or "all-reduce" in text  # the replicated weights' gradients
 
 
+# a decode step (T = 1, shorter than both halos), a chunk shorter than the halo, prefill chunks past a row tile; GQA
+# groups of 4 and 2; the fused projection's wider output read in place
+CACHED_CASES = [(2, 1, 4, 1, 16, 2, 2, 24), (1, 2, 2, 1, 32, 3, 2, 0), (2, 5, 4, 2, 16, 3, 2, 8),
+                (1, 37, 2, 2, 16, 2, 2, 0)]
+SLOTS = (0, 1, 2, 3, 9)  # every ring offset (rings of 3 and 4 columns), and a chunk starting before the halo fills
+
+
+def cached_problem(seed, B, T, heads, kv, d, t0, t1, extra, dtype):
+    (xp, *weights), heads, _, _ = problem(seed, B, T, heads, kv, d, t0, t1, False, dtype)
+    P_ = halo(t0, t1)
+    x = jnp.concatenate([xp[:, P_:], jax.random.normal(jax.random.key(seed + 1), (B, T, extra)).astype(dtype)], -1)
+    ring = jax.random.normal(jax.random.key(seed + 2), (B, P_ + 1, xp.shape[-1])).astype(dtype)
+    return x, ring, weights, heads
+
+
+def cached_mix(impl, heads):
+    return jax.jit(lambda x, ring, slot, *w: qk_mix_cached(x, ring, slot, *w, heads, impl=impl))
+
+
+@pytest.mark.parametrize("B,T,heads,kv,d,t0,t1,extra,dtype", [
+    *(pytest.param(*case, jnp.float32, id="-".join(map(str, case)) + "-fp32") for case in CACHED_CASES),
+    pytest.param(*CACHED_CASES[0], jnp.bfloat16, id="decode-bf16")])
+def test_the_cached_ring_kernel_matches_the_reference(B, T, heads, kv, d, t0, t1, extra, dtype):
+    """The kernel against the reference's rolled concatenation at every ring offset: the mix within the dtype's
+    tolerance, the ring including the chunk bit for bit (copied columns)."""
+    x, ring, weights, heads = cached_problem(B * T + d, B, T, heads, kv, d, t0, t1, extra, dtype)
+    kernel, reference = cached_mix("pallas", heads), cached_mix("xla", heads)
+    for slot in SLOTS:
+        (out, new_ring), (out_ref, ring_ref) = (f(x, ring, jnp.int32(slot), *weights) for f in (kernel, reference))
+        assert out.dtype == out_ref.dtype == dtype and out.shape == out_ref.shape == (B, T, (heads + kv) * d)
+        assert rel_err(out.astype(jnp.float32), out_ref.astype(jnp.float32)) <= TOL[dtype], slot
+        assert new_ring.dtype == ring.dtype and new_ring.shape == ring.shape
+        assert (new_ring == ring_ref).all(), slot
+
+
+def test_a_cached_ring_of_the_wrong_shape_is_rejected():
+    x, ring, weights, heads = cached_problem(0, 1, 1, 2, 1, 16, 2, 2, 0, jnp.float32)
+    for impl in ("pallas", "xla"):
+        with pytest.raises(ValueError, match=r"the cached ring must be \[B, P \+ 1, C\]"):
+            qk_mix_cached(x, ring[:, :2], jnp.int32(0), *weights, heads, impl=impl)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("segments,zero_halo", [(False, False), (True, False), (True, True)],
                          ids=["plain", "documents", "documents-zero-halo"])
@@ -157,3 +200,14 @@ def test_kernels_on_the_gpu_at_the_zaya1_width(segments, zero_halo):
                                           mix_and_grads("xla", *inputs, zero_halo=zero_halo))
     for a, b in zip([out, *grads], [out_ref, *grads_ref]):
         assert rel_err(a.astype(jnp.float32), b.astype(jnp.float32)) <= TOL[jnp.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T", [(1, 1), (64, 1), (2, 512)], ids=["decode-b1", "decode-b64", "prefill"])
+def test_the_cached_ring_kernel_on_the_gpu_at_the_zaya1_width(B, T):
+    x, ring, weights, heads = cached_problem(4, B, T, 8, 2, 128, 2, 2, 256, jnp.bfloat16)
+    for slot in (0, 1, 2, 515):
+        (out, new_ring), (out_ref, ring_ref) = (cached_mix(impl, heads)(x, ring, jnp.int32(slot), *weights)
+                                                for impl in ("pallas", "xla"))
+        assert rel_err(out.astype(jnp.float32), out_ref.astype(jnp.float32)) <= TOL[jnp.bfloat16]
+        assert (new_ring == ring_ref).all()

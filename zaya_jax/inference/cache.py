@@ -28,7 +28,8 @@ class KVCache:
 @dataclasses.dataclass
 class DecodeCache:
     kv: KVCache
-    cca: CCAState  # conv L x [B, P, C] last raw [q | k] columns; value L x [B, KV*d/2] last delayed projection
+    cca: CCAState  # conv L x [B, P + 1, C] raw [q | k] columns by slot (a ring, model/cca.py); value L x [B, KV*d/2]
+    # the last delayed projection
     kv_valid: jax.Array  # [B, S] bool: slot holds a real (non-pad) token
     lengths: jax.Array  # [B] int32: real tokens so far = RoPE position of the next token
     index: jax.Array  # [] int32: slots written so far (shared by all rows)
@@ -61,7 +62,7 @@ def init_cache(model: ZayaForCausalLM, batch: int, max_length: int) -> DecodeCac
         value = LayerSlices(jnp.broadcast_to(b.astype(jnp.float32).astype(dt), (batch, KV * d // 2)) for b in rows)
     return DecodeCache(
         kv=KVCache(per_layer((batch, max_length, KV, d)), per_layer((batch, max_length, KV, d))),
-        cca=CCAState(conv=per_layer((batch, cfg.conv_halo, cfg.conv_channels)), value=value),
+        cca=CCAState(conv=per_layer((batch, cfg.conv_halo + 1, cfg.conv_channels)), value=value),
         kv_valid=jnp.zeros((batch, max_length), bool),
         lengths=jnp.zeros((batch,), jnp.int32),
         index=jnp.zeros((), jnp.int32))

@@ -48,7 +48,7 @@ def extend(model: ZayaForCausalLM, cache: DecodeCache, input_ids, token_mask=Non
     conv_mask = None if all_real or T == 1 else token_mask
     y, cca, kv = model.model.forward_with_layer_state(input_ids, positions=positions, cca_state=cache.cca,
                                                       attend_state=cache.kv, attend=attend,
-                                                      attention_mask=conv_mask)
+                                                      attention_mask=conv_mask, cca_slot=cache.index)
     logits = model.logits(y if all_logits else y[:, -1:])  # a long prompt's [T, vocab] logits are large
     fits = cache.index + T <= cache.max_length
     logits = jnp.where(fits, logits, jnp.nan)

@@ -23,13 +23,18 @@ from zaya_jax.ops import qk_norm_rope as qk_ops
 @dataclasses.dataclass
 class CCAState:
     """What a sequence chunk needs from before its start: the last `conv_halo` raw [q | k] projection columns
-    [B, P, C] and the previous token's delayed-value projection [B, KV*d/2]. Zeros/None = sequence start."""
+    [B, P, C] and the previous token's delayed-value projection [B, KV*d/2]. Zeros/None = sequence start.
+
+    With `slot` ([] int32, the chunk's first cache slot) conv is a ring indexed by cache slot instead, as a decode
+    cache holds it: [B, P + 1, C], the columns of the last P + 1 slots, slot s at s % (P + 1). A single token's step
+    then writes one column in place, where an ordered halo shifts by one column (a copy of it at every token)."""
 
     conv: jax.Array | None = None
     value: jax.Array | None = None
+    slot: jax.Array | None = None
 
 
-jax.tree_util.register_dataclass(CCAState, data_fields=["conv", "value"], meta_fields=[])
+jax.tree_util.register_dataclass(CCAState, data_fields=["conv", "value", "slot"], meta_fields=[])
 
 
 class CCAProjection(nnx.Module):
@@ -87,15 +92,24 @@ class CCAProjection(nnx.Module):
             zeros = jnp.zeros((B, 1, x.shape[-1]), dt)
             start = CCAState(conv=jnp.zeros((B, P, C), dt), value=self.v_proj_delayed(zeros)[:, 0])
             state = exchange(tail, start)
-        # at a sequence start the halo is zeros, which the convolution reads without their being concatenated
-        zero_halo = state is None or state.conv is None
-        prefix = jnp.zeros((B, P, C), dt) if zero_halo else state.conv.astype(dt)
-        qk_in = qk if zero_halo else jnp.concatenate([prefix, qk[..., :C]], axis=1)
         # both convolutions and the q/k mean residual paths (ops/cca_conv.py)
         w1 = self.conv_qk_depthwise.weight[...][:, 0, :]  # [C, t0]
+        b1, b2 = self.conv_qk_depthwise.bias[...], self.conv_qk_grouped.bias[...]
         w2 = self.conv_qk_grouped.weight[...].astype(dt).reshape(H + KV, d, d, cfg.cca_time1)  # [head, out, in, tap]
-        mixed = conv_ops.qk_mix(qk_in, w1, self.conv_qk_depthwise.bias[...], w2, self.conv_qk_grouped.bias[...],
-                                H, same_segment_masks(segment_ids, P), impl=cfg.conv_impl, zero_halo=zero_halo)
+        if state is not None and state.slot is not None:  # a cache's chunk: the ring read and written by one op
+            if segment_ids is not None:
+                raise ValueError("a cache's chunk (CCAState with slot) is one document per row: no segment_ids")
+            mixed, conv_state = conv_ops.qk_mix_cached(qk, state.conv, state.slot, w1, b1, w2, b2, H,
+                                                       impl=cfg.conv_impl)
+        else:
+            # at a sequence start the halo is zeros, which the convolution reads without their being concatenated
+            zero_halo = state is None or state.conv is None
+            prefix = jnp.zeros((B, P, C), dt) if zero_halo else state.conv.astype(dt)
+            qk_in = qk if zero_halo else jnp.concatenate([prefix, qk[..., :C]], axis=1)
+            mixed = conv_ops.qk_mix(qk_in, w1, b1, w2, b2, H, same_segment_masks(segment_ids, P), impl=cfg.conv_impl,
+                                    zero_halo=zero_halo)
+            recent = jnp.concatenate([prefix, qk[:, max(T - P, 0):, :C]], axis=1)  # the last P + min(T, P) columns
+            conv_state = recent[:, recent.shape[1] - P:]
         if state is None or state.value is None:  # v_proj_delayed(0): zero, or the bias with attention_bias
             v0 = self.v_proj_delayed(jnp.zeros((B, 1, x.shape[-1]), dt))
         else:
@@ -107,8 +121,7 @@ class CCAProjection(nnx.Module):
             v_zero = self.v_proj_delayed(jnp.zeros((B, 1, x.shape[-1]), dt))
             v_prev = jnp.where(starts[..., None], v_zero, v_prev)
         v = jnp.concatenate([v_cur, v_prev], axis=-1).reshape(B, T, KV, d)
-        recent = jnp.concatenate([prefix, qk[:, max(T - P, 0):, :C]], axis=1)  # the last P + min(T, P) columns
-        new_state = CCAState(conv=recent[:, recent.shape[1] - P:], value=v_del[:, -1])
+        new_state = CCAState(conv=conv_state, value=v_del[:, -1], slot=None if state is None else state.slot)
         return mixed.reshape(B, T, H + KV, d), v, new_state
 
 

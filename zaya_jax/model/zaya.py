@@ -171,10 +171,11 @@ class ZayaModel(nnx.Module):
         return carry[1], ForwardAux(router_stats=jnp.stack(counts))
 
     def forward_with_layer_state(self, input_ids, *, positions, cca_state, attend_state, attend,
-                                 attention_mask=None):
+                                 attention_mask=None, cca_slot=None):
         """The forward for inference caches: each layer reads and returns its own part of per-layer state.
 
-        cca_state: CCAState whose leaves have a leading layer axis ([L, B, P, C] halo, [L, B, KV*d/2] value);
+        cca_state: CCAState whose leaves have a leading layer axis ([L, B, P, C] halo, [L, B, KV*d/2] value), or
+        with cca_slot (the chunk's first cache slot) a halo ring by slot ([L, B, P + 1, C]: model/cca.py);
         attend_state: any pytree with a leading layer axis (e.g. K/V caches); attend(attend_state_l, q, k, v,
         sliding_window) -> (o, new attend_state_l) replaces the layer's attention. attention_mask [B, T] zeroes
         padded tokens before the CCA projections (as HF does for multi-token inputs).
@@ -206,10 +207,11 @@ class ZayaModel(nnx.Module):
 
             h, m, r, _, cca_l = layer.blocks(h, x, r, state_scale=scale, positions=positions, inv_freq=freq,
                                              sliding_window=window_arg, attention_mask=attention_mask,
-                                             cca_state=cca_l, attend=layer_attend)
+                                             cca_state=dataclasses.replace(cca_l, slot=cca_slot),
+                                             attend=layer_attend)
             h, x = norm_ops.merge_rms_norm(m, h, *layer.post_mlp_residual_scale.vectors(), next_norm,
                                            cfg.rms_norm_eps, dt, impl=cfg.norm_impl)
-            produced.append((cca_l, new_attend["state"]))
+            produced.append((dataclasses.replace(cca_l, slot=None), new_attend["state"]))
         cca_state, attend_state = jax.tree.map(lambda *layers: LayerSlices(layers), *produced)
         return x, cca_state, attend_state
 

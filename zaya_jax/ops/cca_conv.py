@@ -86,3 +86,27 @@ def qk_mix(xp, w1, b1, w2, b2, heads: int, same_segment=None, impl: str = "xla",
         from pallas_kernels.cca_conv import qk_mix as kernel
         return kernel(xp, w1, b1, w2, b2, heads, same_segment, zero_halo)
     raise ValueError(f"CCA convolution impl {impl!r} unknown (use one of {IMPLS})")
+
+
+def qk_mix_cached(x, ring, slot, w1, b1, w2, b2, heads: int, impl: str = "xla"):
+    """A chunk x [B, T, C'] at cache slots slot .. slot + T - 1 after the columns a cache's ring holds (ring
+    [B, P + 1, C]: slot s's raw [q | k] columns at s % (P + 1), model/cca.py): (qk_mix of the P columns before the
+    chunk and the chunk, the ring including the chunk, in ring's dtype). 'pallas' reads the ring and x where they are
+    in one kernel and, for a single token, writes its column into the ring in place: around an ordered halo a decode
+    step ran a concatenation and a slice, two kernels of their own (benchmarks/gpu_census.py)."""
+    G, d, _, t1 = w2.shape
+    n = halo(w1.shape[1], t1) + 1
+    if ring.shape != (x.shape[0], n, G * d):
+        raise ValueError(f"cca qk_mix: the cached ring must be [B, P + 1, C] = {(x.shape[0], n, G * d)}, got "
+                         f"{ring.shape}")
+    if impl == "pallas" and n > 1:
+        from pallas_kernels.cca_conv import qk_mix_cached as kernel
+        return kernel(x, ring, slot, w1, b1, w2, b2, heads)
+    if impl not in IMPLS:
+        raise ValueError(f"CCA convolution impl {impl!r} unknown (use one of {IMPLS})")
+    T = x.shape[1]
+    before = jnp.roll(ring, -(slot % n), axis=1)[:, 1:]  # slots slot - P .. slot - 1, oldest first
+    xp = jnp.concatenate([before.astype(x.dtype), x[..., :G * d]], axis=1)
+    out = qk_mix(xp, w1, b1, w2, b2, heads, impl=impl)
+    last = xp[:, xp.shape[1] - n:]  # slots slot + T - n .. slot + T - 1, rolled to their ring positions
+    return out, jnp.roll(last, (slot + T) % n, axis=1).astype(ring.dtype)
