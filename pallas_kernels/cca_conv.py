@@ -206,7 +206,9 @@ def _fwd_kernel(x_ref, xkv_ref, *rest, t0, t1, P, T, off, rows, heads, group, ha
                 times = T - 1 - lax.rem(slot + T - 1 - p + n, n)
                 cols = jnp.where((times < 0)[:, None], ring_ref[jnp.minimum(p, n - 1), :].astype(F32),
                                  x_ref[jnp.clip(times, 0, T - 1), :].astype(F32))
-                _store_rows(ring_out, 0, cols, n)
+                for i in range(n):  # row by row: a slice of n rows is not a power of two, and a masked store of a
+                    # power-of-two tile reaching past the ring's end is out of bounds to the indexer
+                    ring_out[i, :] = jnp.sum(jnp.where((p == i)[:, None], cols, 0.0), axis=0).astype(ring_out.dtype)
 
 
 def _forward(xp, w1, b1, w2, b2, masks, *, heads: int, off: int, ring=None, slot=None):
