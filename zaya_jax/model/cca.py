@@ -27,7 +27,7 @@ class CCAState:
 
     With `slot` ([] int32, the chunk's first cache slot) conv is a ring indexed by cache slot instead, as a decode
     cache holds it: [B, P + 1, C], the columns of the last P + 1 slots, slot s at s % (P + 1). A single token's step
-    then writes one column in place, where an ordered halo shifts by one column (a copy of it at every token)."""
+    then writes one column in place, where an ordered halo is concatenated and sliced again at every token."""
 
     conv: jax.Array | None = None
     value: jax.Array | None = None
